@@ -1,0 +1,1 @@
+"""The three SuperInfer services (gateway, scheduler, worker) and the `superinfer` CLI."""

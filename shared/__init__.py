@@ -1,0 +1,1 @@
+"""Code common to every SuperInfer service: wire protocol, configuration, logging."""

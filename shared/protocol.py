@@ -1,0 +1,198 @@
+"""Every message that crosses a socket, in one place.
+
+Each socket carries one tagged union, encoded as msgpack (array-like structs, no pickle):
+
+    gateway  -> scheduler : GatewayMsg    = GatewayHello | AddRequest | AbortRequest
+    scheduler -> gateway  : GatewayReply  = StepOutputs | RequestError | SchedulerStats
+    scheduler -> worker   : WorkerMsg     = Plan | Shutdown
+    worker   -> scheduler : WorkerReply   = WorkerReady | StepResult | WorkerError
+
+No tensors cross a socket: only token ids and block ids. A new request's prompt is
+sent to the worker once (in `Plan.new_requests`); later plans carry only how many
+tokens to compute and which blocks changed.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+
+class _Msg(Struct, array_like=True, omit_defaults=True, gc=False, tag_field="t"):
+    """Base for tagged messages (the tag is the first array element)."""
+
+
+class _Data(Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base for untagged payload structs nested inside messages."""
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+class SamplingParams(_Data):
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    # Generation stops when one of these is sampled (EOS and the model's end-of-turn ids).
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class SLO(_Data):
+    """Per-request SLO overrides in seconds; None falls back to the scheduler's defaults."""
+
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+
+
+# ---------------------------------------------------------------- gateway <-> scheduler
+
+
+class GatewayHello(_Msg, tag="hello"):
+    """First message of a gateway on connect (and its heartbeat): the scheduler learns the
+    gateway's identity and starts sending it `SchedulerStats`."""
+
+    gateway_id: str
+
+
+class AddRequest(_Msg, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    slo: SLO | None = None
+    # Tokens already generated for this request (a resubmission after a failover).
+    output_token_ids: list[int] = []
+
+
+class AbortRequest(_Msg, tag="abort"):
+    request_id: str
+
+
+GatewayMsg = GatewayHello | AddRequest | AbortRequest
+
+
+class TokenOutput(_Data):
+    request_id: str
+    token_ids: list[int]
+    # "stop" (stop token), "length" (max_tokens or context window), "abort"; None while running.
+    finish_reason: str | None = None
+
+
+class StepOutputs(_Msg, tag="out"):
+    outputs: list[TokenOutput]
+
+
+class RequestError(_Msg, tag="error"):
+    request_id: str
+    message: str
+    # OpenAI-style error type: "invalid_request_error", "overloaded", "internal_error".
+    type: str = "internal_error"
+
+
+class SchedulerStats(_Msg, tag="stats"):
+    """Load report, sent to every known gateway after each step and at least once a second
+    when idle (it doubles as the scheduler's heartbeat)."""
+
+    scheduler_id: str
+    model_name: str
+    max_model_len: int
+    num_waiting: int
+    num_running: int
+    num_rotary: int
+    num_hbm_blocks: int
+    num_free_hbm_blocks: int
+    num_dram_blocks: int
+    num_free_dram_blocks: int
+    num_preemptions: int = 0
+    worker_ready: bool = True
+
+
+GatewayReply = StepOutputs | RequestError | SchedulerStats
+
+
+# ---------------------------------------------------------------- scheduler <-> worker
+
+
+class NewRequestData(_Data):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = []
+
+
+class ScheduledRequest(_Data):
+    """One request's share of a step: compute `num_new_tokens` tokens from position
+    `num_computed_tokens` of its token sequence (prompt + outputs)."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    # Blocks appended to the request's HBM block table this step.
+    new_block_ids: list[int] = []
+    # When set, replaces the whole HBM block table (after a swap-in or a recompute restart).
+    block_table: list[int] | None = None
+
+
+class Plan(_Msg, tag="plan"):
+    step_id: int
+    new_requests: list[NewRequestData] = []
+    scheduled: list[ScheduledRequest] = []
+    # Block copies, as (src, dst) pairs: DRAM->HBM, HBM->DRAM (preemption) and
+    # HBM->DRAM eager mirrors of synced blocks.
+    swap_in: list[tuple[int, int]] = []
+    swap_out: list[tuple[int, int]] = []
+    eager: list[tuple[int, int]] = []
+    # Requests whose state the worker drops (finished, aborted, or restarted for recompute).
+    drop: list[str] = []
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    pass
+
+
+WorkerMsg = Plan | Shutdown
+
+
+class WorkerReady(_Msg, tag="ready"):
+    model_name: str
+    num_hbm_blocks: int
+    num_dram_blocks: int
+    block_size: int
+    max_model_len: int
+    device: str
+
+
+class StepTimings(_Data):
+    transfer_s: float = 0.0
+    compute_s: float = 0.0
+    # Seconds compute waited for transfers this step reads.
+    stall_s: float = 0.0
+
+
+class StepResult(_Msg, tag="result"):
+    step_id: int
+    # Sampled token per request that reached the end of its known tokens this step.
+    request_ids: list[str] = []
+    token_ids: list[int] = []
+    timings: StepTimings = StepTimings()
+
+
+class WorkerError(_Msg, tag="worker_error"):
+    step_id: int
+    message: str
+
+
+WorkerReply = WorkerReady | StepResult | WorkerError
+
+
+# ---------------------------------------------------------------- codecs
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+
+gateway_msg_decoder = msgspec.msgpack.Decoder(GatewayMsg)
+gateway_reply_decoder = msgspec.msgpack.Decoder(GatewayReply)
+worker_msg_decoder = msgspec.msgpack.Decoder(WorkerMsg)
+worker_reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
