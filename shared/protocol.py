@@ -176,7 +176,7 @@ class StepResult(_Msg, tag="result"):
     # Sampled token per request that reached the end of its known tokens this step.
     request_ids: list[str] = []
     token_ids: list[int] = []
-    timings: StepTimings = StepTimings()
+    timings: StepTimings = msgspec.field(default_factory=StepTimings)
 
 
 class WorkerError(_Msg, tag="worker_error"):
