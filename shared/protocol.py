@@ -144,7 +144,8 @@ class Plan(_Msg, tag="plan"):
     swap_in: list[tuple[int, int]] = []
     swap_out: list[tuple[int, int]] = []
     eager: list[tuple[int, int]] = []
-    # Requests whose state the worker drops (finished, aborted, or restarted for recompute).
+    # Requests whose state the worker drops (finished or aborted). A request preempted for
+    # recompute is not dropped: it is scheduled again from num_computed_tokens=0.
     drop: list[str] = []
 
 
