@@ -4,7 +4,7 @@ Each socket carries one tagged union, encoded as msgpack (array-like structs, no
 
     gateway  -> scheduler : GatewayMsg    = GatewayHello | AddRequest | AbortRequest
     scheduler -> gateway  : GatewayReply  = StepOutputs | RequestError | SchedulerStats
-    scheduler -> worker   : WorkerMsg     = Plan | Shutdown
+    scheduler -> worker   : WorkerMsg     = Plan
     worker   -> scheduler : WorkerReply   = WorkerReady | StepResult | WorkerError
 
 No tensors cross a socket: only token ids and block ids. A new request's prompt is
@@ -149,11 +149,7 @@ class Plan(_Msg, tag="plan"):
     drop: list[str] = []
 
 
-class Shutdown(_Msg, tag="shutdown"):
-    pass
-
-
-WorkerMsg = Plan | Shutdown
+WorkerMsg = Plan
 
 
 class WorkerReady(_Msg, tag="ready"):

@@ -1,0 +1,174 @@
+"""`superinfer` command line: serve the embedded default, start one service, or benchmark.
+
+    superinfer serve                      # gateway + scheduler + worker on this machine
+    superinfer gateway|scheduler|worker   # one service, tcp:// addresses
+    superinfer bench model|kv|sched ...   # benchmarks (print numbers, write JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from shared import config
+
+# name -> module with add_arguments(parser) and run(args) -> int
+BENCHMARKS = {
+    "model": ("bench.model", "our worker vs transformers: prefill tok/s, decode step ms"),
+    "kv": ("bench.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
+    "sched": ("bench.sched", "time of one LVF scheduling step vs live requests"),
+}
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face-style directory (config.json + safetensors); "
+        "default: the bundled SmolLM2-135M-Instruct",
+    )
+
+
+def _gateway_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gateway (HTTP API)")
+    g.add_argument("--host", default=config.DEFAULT_HOST, help="address to bind (default %(default)s)")
+    g.add_argument("--port", type=int, default=config.DEFAULT_PORT, help="HTTP port (default %(default)s)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+
+
+def _scheduler_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler (RotaSched)")
+    g.add_argument(
+        "--policy",
+        choices=["lvf", "fcfs", "sf", "wf"],
+        default="lvf",
+        help="lvf: Largest-VLT-First rotation (SuperInfer); fcfs: FCFS with recompute preemption; "
+        "sf: swapped-first with swap preemption; wf: waiting-first with swap preemption",
+    )
+    g.add_argument("--ttft-slo", type=float, default=5.0, help="TTFT SLO S_F in seconds (default %(default)s)")
+    g.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO S_B in seconds (default %(default)s)")
+    g.add_argument("--alpha", type=float, default=3.0, help="VLT weight of rotary requests (default %(default)s)")
+    g.add_argument("--beta-f", type=float, default=0.5, help="TTFT slack share before VLT grows (default %(default)s)")
+    g.add_argument("--beta-b", type=float, default=0.0, help="TBT slack share before VLT grows (default %(default)s)")
+    g.add_argument(
+        "--xfer-budget",
+        type=int,
+        default=2400,
+        help="B_xfer: KV blocks that may be rotated per step (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=config.DEFAULT_MAX_BATCHED_TOKENS,
+        help="chunked-prefill token budget per step, decodes first (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=config.DEFAULT_MAX_NUM_SEQS, help="requests per step at most"
+    )
+
+
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker (model + DuplexKV)")
+    g.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
+    g.add_argument(
+        "--hbm-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the compute-device pool (default: from --hbm-fraction)",
+    )
+    g.add_argument(
+        "--hbm-fraction",
+        type=float,
+        default=None,
+        help="share of free device memory for the KV pool (default 0.85 on GPU; 1 GiB on CPU)",
+    )
+    g.add_argument("--dram-gb", type=float, default=2.0, help="host-memory KV pool size in GiB (default %(default)s)")
+    g.add_argument(
+        "--block-size", type=int, default=config.DEFAULT_BLOCK_SIZE, help="tokens per KV block (default %(default)s)"
+    )
+    g.add_argument(
+        "--transfer-mode",
+        choices=["naive", "merged", "batched", "duplex"],
+        default="duplex",
+        help="KV transfer engine mode: naive (per-layer copies, serial), merged (per block), "
+        "batched (one call per direction), duplex (both directions at once; default)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="superinfer", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default=None, help="debug, info, warning, error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="start gateway, scheduler and worker on this machine (ipc:// sockets)")
+    _model_args(p)
+    _gateway_args(p)
+    _scheduler_args(p)
+    _worker_args(p)
+
+    p = sub.add_parser("gateway", help="start the HTTP gateway alone")
+    _model_args(p)
+    _gateway_args(p)
+    p.add_argument(
+        "--scheduler",
+        action="append",
+        default=None,
+        help=f"scheduler address, repeatable (default {config.DEFAULT_SCHEDULER_ADDR})",
+    )
+
+    p = sub.add_parser("scheduler", help="start the scheduler alone")
+    _scheduler_args(p)
+    p.add_argument("--bind", default=config.DEFAULT_SCHEDULER_ADDR, help="address gateways connect to")
+    p.add_argument("--worker-bind", default=config.DEFAULT_WORKER_ADDR, help="address the worker connects to")
+
+    p = sub.add_parser("worker", help="start the model worker alone")
+    _model_args(p)
+    _worker_args(p)
+    p.add_argument("--connect", default=config.DEFAULT_WORKER_ADDR, help="the scheduler's worker address")
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, (module, help_text) in BENCHMARKS.items():
+        bp = bench.add_parser(name, help=help_text)
+        bp.set_defaults(bench_module=module)
+        # Arguments are added lazily in main(): importing torch for --help of `serve` is slow.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
+        return _run_bench(argv[1], argv[2:])
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from services.supervisor import serve
+
+        return serve(args)
+    if args.command == "gateway":
+        from services.gateway.server import run
+
+        run(args.host, args.port, args.scheduler or [config.DEFAULT_SCHEDULER_ADDR], args.model, args.api_key)
+        return 0
+    if args.command == "scheduler":
+        from services.scheduler.service import run
+
+        return run(args)
+    if args.command == "worker":
+        from services.worker.service import run
+
+        return run(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _run_bench(name: str, argv: list[str]) -> int:
+    module_name, help_text = BENCHMARKS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"superinfer bench {name}", description=help_text)
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The OpenAI request and response bodies, as msgspec Structs.
+
+Decoding a body into these types *is* the validation of types and ranges (a mismatch
+becomes a 400 naming the field), and the same types generate the OpenAPI document.
+Fields OpenAI clients send that we do not use are ignored, not refused. Extensions beyond
+OpenAI: `top_k`, `ignore_eos`, and `slo` (per-request latency targets in milliseconds).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+from services.gateway.errors import from_validation
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+T = TypeVar("T", "ChatCompletionRequest", "CompletionRequest")
+_INT64 = Meta(ge=-(2**63), le=2**63 - 1)
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 means greedy")]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=0, description="0 means off (extension)")]
+MaxTokens = Annotated[int, Meta(ge=1)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
+Milliseconds = Annotated[float, Meta(gt=0.0)]
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class SLOSpec(Struct):
+    """Per-request latency targets (extension); unset ones use the scheduler's defaults."""
+
+    ttft_ms: Milliseconds | None = None
+    tbt_ms: Milliseconds | None = None
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Sampling(Struct, kw_only=True):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Annotated[int, _INT64] | None = None
+    stop: Stop | None = None
+    n: Annotated[int, Meta(ge=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    slo: SLOSpec | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # A string, a list holding one string, or token ids (also as a list of one id list).
+    prompt: str | list[str | int | list[int]]
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(Struct):
+    """Both the whole response and (with `usage` null until the end) each stream chunk."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int | None = None
+    owned_by: str = "superinfer"
+    object: Literal["model"] = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+# ---------------------------------------------------------------- codec
+
+_decoders = {t: msgspec.json.Decoder(t) for t in (ChatCompletionRequest, CompletionRequest)}
+encode_json = msgspec.json.Encoder().encode
+
+
+def decode_request(body: bytes, type: type[T]) -> T:
+    """The request body as `type`; raises a 400 `ApiError` naming the bad field."""
+    try:
+        return _decoders[type].decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise from_validation(e) from None

@@ -1,0 +1,71 @@
+"""One request in flight: scheduler replies in, text pieces out.
+
+The generator ends with exactly one final piece (finish_reason "stop" or "length") or
+raises `ApiError`. However it ends — finished, stop string, client gone, cancelled — the
+`finally` tells the scheduler to abort, which is a no-op for a request already finished,
+so an abandoned request never keeps its KV blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.gateway.detokenizer import TextStream
+from services.gateway.errors import from_scheduler, internal
+from services.gateway.scheduler_client import RequestHandle, SchedulerClient
+from shared.protocol import RequestError
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    num_tokens: int  # tokens this piece adds to the completion
+    finish_reason: str | None = None
+
+
+@dataclass
+class Timing:
+    """What the metrics and the final log line need about one request."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+
+    def on_tokens(self, n: int) -> None:
+        if n and self.first_token is None:
+            self.first_token = time.monotonic()
+        self.num_output_tokens += n
+
+
+async def generate(
+    client: SchedulerClient, handle: RequestHandle, text: TextStream, timing: Timing
+) -> AsyncIterator[Piece]:
+    try:
+        while True:
+            reply = await handle.get()
+            if isinstance(reply, RequestError):
+                raise from_scheduler(reply)
+            timing.on_tokens(len(reply.token_ids))
+            piece = _piece(reply.token_ids, reply.finish_reason, text)
+            timing.finish_reason = piece.finish_reason
+            yield piece
+            if piece.finish_reason is not None:
+                return
+    finally:
+        client.abort(handle.request_id)
+
+
+def _piece(token_ids: list[int], finish_reason: str | None, text: TextStream) -> Piece:
+    """A stop string ends the request as "stop" whatever the scheduler said; an abort the
+    gateway did not ask for is an error, not a silent truncation."""
+    delta = text.push(token_ids)
+    if text.stopped:
+        return Piece(delta, len(token_ids), "stop")
+    if finish_reason == "abort":
+        raise internal("the scheduler aborted this request")
+    if finish_reason is not None:
+        return Piece(delta + text.finish(), len(token_ids), finish_reason)
+    return Piece(delta, len(token_ids))

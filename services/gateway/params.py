@@ -1,0 +1,129 @@
+"""From a validated OpenAI body to what the scheduler is sent: prompt token ids, sampling
+parameters, SLO, plus the stop strings the gateway itself enforces.
+
+Everything here is pure and raises `ApiError` (400) for what types alone cannot catch:
+n > 1, content that is not text, token ids outside the vocabulary, an empty prompt, and
+a prompt plus max_tokens beyond the context window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.gateway.api import ChatCompletionRequest, ChatMessage, CompletionRequest, SLOSpec
+from services.gateway.chat_template import ChatTemplateError
+from services.gateway.errors import bad_request
+from services.gateway.tokenizer import ModelTokenizer
+from shared.protocol import SLO, SamplingParams
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+Request = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One accepted request, ready to submit."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    slo: SLO | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def check_supported(req: Request) -> None:
+    if req.n != 1:
+        raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template expects them: role and plain-text content."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in _ROLES:
+            raise bad_request(f"unknown role {m.role!r}", param=f"messages[{i}].role")
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": _text_content(m, i)})
+    return out
+
+
+def _text_content(m: ChatMessage, i: int) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"content part type {part.type!r} is not supported (text is)", f"messages[{i}].content[{j}]")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_prompt_ids(req: ChatCompletionRequest, tok: ModelTokenizer) -> list[int]:
+    try:
+        return tok.encode_chat(chat_messages(req.messages))
+    except (ChatTemplateError, ValueError) as e:
+        raise bad_request(str(e), param="messages") from None
+
+
+def completion_prompt_ids(req: CompletionRequest, tok: ModelTokenizer) -> list[int]:
+    p = req.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if not p:
+            raise bad_request("prompt is empty", param="prompt")
+        return tok.encode(p)
+    if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        raise bad_request("prompt must be a string, a list of one string, or a list of token ids", "prompt")
+    bad = next((t for t in p if not 0 <= t < tok.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})", "prompt")
+    return list(p)
+
+
+def max_new_tokens(req: Request, num_prompt: int, max_model_len: int) -> int:
+    """Requested max_tokens, or the remaining context when none is given."""
+    room = max_model_len - num_prompt
+    if room <= 0:
+        raise bad_request(
+            f"the prompt has {num_prompt} tokens; this model's context window is {max_model_len}",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if asked is None:
+        return room
+    if asked > room:
+        raise bad_request(
+            f"prompt ({num_prompt} tokens) plus max_tokens ({asked}) exceeds the context window ({max_model_len})",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return asked
+
+
+def to_slo(spec: SLOSpec | None) -> SLO | None:
+    if spec is None or (spec.ttft_ms is None and spec.tbt_ms is None):
+        return None
+    ms = lambda v: None if v is None else v / 1000.0  # noqa: E731
+    return SLO(ttft_s=ms(spec.ttft_ms), tbt_s=ms(spec.tbt_ms))
+
+
+def stop_strings(req: Request) -> list[str]:
+    return [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+
+def prepare(req: Request, prompt_ids: list[int], max_model_len: int, stop_token_ids: list[int]) -> Prepared:
+    """The scheduler's view of a request whose prompt is already tokenized."""
+    params = SamplingParams(
+        max_tokens=max_new_tokens(req, len(prompt_ids), max_model_len),
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        seed=req.seed,
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=req.ignore_eos,
+    )
+    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    return Prepared(prompt_ids, params, to_slo(req.slo), stop_strings(req), req.stream, include_usage)

@@ -1,0 +1,140 @@
+"""Response bodies of the two generation endpoints, whole and as SSE chunks.
+
+A `Format` knows only how to wrap text; `respond_full` and `respond_stream` know only how
+to drain pieces. Streaming waits for the first piece before sending headers, so an error
+the scheduler reports up front (overloaded, invalid) still gets its own HTTP status.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import structlog
+from aiohttp import web
+
+from services.gateway.api import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+    Usage,
+    encode_json,
+)
+from services.gateway.errors import ApiError
+from services.gateway.generate import Piece
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+log = structlog.get_logger()
+
+
+def usage(num_prompt: int, num_output: int) -> Usage:
+    return Usage(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output)
+
+
+class Format(Protocol):
+    def whole(self, text: str, finish_reason: str | None, usage: Usage): ...
+    def opening(self): ...  # first chunk, before any text (None: nothing to send)
+    def chunk(self, text: str, finish_reason: str | None): ...
+    def usage_chunk(self, usage: Usage): ...
+
+
+class ChatFormat:
+    def __init__(self, request_id: str, model: str) -> None:
+        self.id, self.model, self.created = request_id, model, int(time.time())
+
+    def whole(self, text, finish_reason, usage) -> ChatCompletion:
+        choice = ChatChoice(index=0, message=AssistantMessage(content=text), finish_reason=finish_reason)
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
+
+    def opening(self) -> ChatCompletionChunk:
+        return self._chunk([ChatChunkChoice(index=0, delta=Delta(role="assistant", content=""))])
+
+    def chunk(self, text, finish_reason) -> ChatCompletionChunk:
+        delta = Delta(content=text) if text else Delta()
+        return self._chunk([ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)])
+
+    def usage_chunk(self, usage) -> ChatCompletionChunk:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices, usage=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+
+class CompletionFormat:
+    def __init__(self, request_id: str, model: str) -> None:
+        self.id, self.model, self.created = request_id, model, int(time.time())
+
+    def whole(self, text, finish_reason, usage) -> Completion:
+        return self._body([CompletionChoice(index=0, text=text, finish_reason=finish_reason)], usage)
+
+    def opening(self) -> None:
+        return None
+
+    def chunk(self, text, finish_reason) -> Completion:
+        return self._body([CompletionChoice(index=0, text=text, finish_reason=finish_reason)])
+
+    def usage_chunk(self, usage) -> Completion:
+        return self._body([], usage)
+
+    def _body(self, choices, usage=None) -> Completion:
+        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+
+async def respond_full(pieces: AsyncIterator[Piece], fmt: Format, num_prompt: int) -> web.Response:
+    texts, num_output, finish = [], 0, None
+    async for p in pieces:
+        texts.append(p.text)
+        num_output += p.num_tokens
+        finish = p.finish_reason
+    body = fmt.whole("".join(texts), finish, usage(num_prompt, num_output))
+    return web.Response(body=encode_json(body), content_type="application/json")
+
+
+def sse(obj) -> bytes:
+    return b"data: " + encode_json(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def respond_stream(
+    request: web.Request, pieces: AsyncIterator[Piece], fmt: Format, num_prompt: int, include_usage: bool
+) -> web.StreamResponse:
+    first = await anext(pieces)  # an ApiError here becomes a plain error response
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    try:
+        await _write_events(resp, first, pieces, fmt, num_prompt, include_usage)
+        await resp.write_eof()
+    except ConnectionResetError:
+        log.info("client_disconnected")
+    return resp
+
+
+async def _write_events(resp, first, pieces, fmt: Format, num_prompt: int, include_usage: bool) -> None:
+    num_output = 0
+    try:
+        if (opening := fmt.opening()) is not None:
+            await resp.write(sse(opening))
+        async for p in _chain(first, pieces):
+            num_output += p.num_tokens
+            if p.text or p.finish_reason:
+                await resp.write(sse(fmt.chunk(p.text, p.finish_reason)))
+        if include_usage:
+            await resp.write(sse(fmt.usage_chunk(usage(num_prompt, num_output))))
+    except ApiError as e:  # headers are gone: the error travels as an event
+        log.warning("stream_failed", status=e.status, error=e.info.message)
+        await resp.write(sse(e.body()))
+    await resp.write(SSE_DONE)
+
+
+async def _chain(first: Piece, rest: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    yield first
+    async for p in rest:
+        yield p

@@ -1,0 +1,231 @@
+"""The gateway's side of the gateway <-> scheduler sockets.
+
+One DEALER per scheduler address (its routing id is the gateway id, so a reconnect keeps
+the same identity). A single receive task polls them all, drains at most
+`MAX_RECV_PER_TICK` frames per socket per tick, and routes each reply to its request's
+queue; a heartbeat task says hello every second and fails the requests of a scheduler that
+has gone quiet, so no client waits forever on a dead peer.
+
+    submit(AddRequest) -> RequestHandle      handle.get() -> TokenOutput | RequestError
+    abort(request_id)                         live_stats() -> [SchedulerStats]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.gateway.errors import unavailable
+from shared.config import ZMQ_HWM, ZMQ_LINGER_MS
+from shared.protocol import (
+    AbortRequest,
+    AddRequest,
+    GatewayHello,
+    RequestError,
+    SchedulerStats,
+    StepOutputs,
+    TokenOutput,
+    encode,
+    gateway_reply_decoder,
+)
+
+HEARTBEAT_S = 1.0
+STALE_AFTER_S = 5.0  # no message for this long: the scheduler is considered gone
+MAX_RECV_PER_TICK = 256
+
+log = structlog.get_logger()
+Reply = TokenOutput | RequestError
+
+
+class RequestHandle:
+    """One submitted request's replies, in order; the last is final."""
+
+    def __init__(self, request_id: str, link: SchedulerLink) -> None:
+        self.request_id = request_id
+        self.link = link
+        self.queue: asyncio.Queue[Reply] = asyncio.Queue()  # bounded by max_tokens
+
+    async def get(self) -> Reply:
+        return await self.queue.get()
+
+
+class SchedulerLink:
+    """One scheduler: its socket, its latest load report, and the requests it serves."""
+
+    def __init__(self, addr: str, socket: zmq.asyncio.Socket) -> None:
+        self.addr = addr
+        self.socket = socket
+        self.stats: SchedulerStats | None = None
+        self.last_seen = float("-inf")
+        self.request_ids: set[str] = set()
+
+    def is_live(self, now: float) -> bool:
+        return self.stats is not None and now - self.last_seen < STALE_AFTER_S
+
+    def load(self) -> tuple[int, int]:
+        """Lower is better: requests queued there (counting ours not yet reported), then
+        fewer free HBM blocks."""
+        s = self.stats
+        return (s.num_waiting + len(self.request_ids), -s.num_free_hbm_blocks) if s else (1 << 30, 0)
+
+
+def send_now(socket: zmq.asyncio.Socket, data: bytes) -> bool:
+    """Send without waiting; False when the peer is not connected or its queue is full.
+    (A non-blocking send on an asyncio socket resolves its future at once.)"""
+    exc = socket.send(data, flags=zmq.NOBLOCK).exception()
+    if exc is not None and not isinstance(exc, zmq.Again):
+        raise exc
+    return exc is None
+
+
+def is_final(reply: Reply) -> bool:
+    return isinstance(reply, RequestError) or reply.finish_reason is not None
+
+
+class SchedulerClient:
+    def __init__(self, addrs: list[str], gateway_id: str | None = None) -> None:
+        if not addrs:
+            raise ValueError("at least one scheduler address is needed")
+        self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        self._ctx = zmq.asyncio.Context()
+        self.links = [SchedulerLink(a, self._socket(a)) for a in addrs]
+        self._by_socket = {link.socket: link for link in self.links}
+        self._pending: dict[str, RequestHandle] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    def _socket(self, addr: str) -> zmq.asyncio.Socket:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.ROUTING_ID, self.gateway_id.encode())
+        s.setsockopt(zmq.SNDHWM, ZMQ_HWM)
+        s.setsockopt(zmq.RCVHWM, ZMQ_HWM)
+        s.setsockopt(zmq.LINGER, ZMQ_LINGER_MS)
+        s.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections: a send to a gone peer fails fast
+        s.connect(addr)
+        return s
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+
+    async def close(self) -> None:
+        """Abort what is still running (no orphans left in the schedulers), then close."""
+        for rid in list(self._pending):
+            self.abort(rid)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for link in self.links:
+            link.socket.close(linger=ZMQ_LINGER_MS)
+        self._ctx.term()
+
+    # ------------------------------------------------------------ requests
+
+    def live_links(self) -> list[SchedulerLink]:
+        now = time.monotonic()
+        return [link for link in self.links if link.is_live(now) and link.stats.worker_ready]
+
+    def live_stats(self) -> list[SchedulerStats]:
+        return [link.stats for link in self.live_links()]
+
+    def pick(self) -> SchedulerLink:
+        """The least loaded live scheduler; 503 when none is reachable."""
+        links = self.live_links()
+        if not links:
+            raise unavailable("no scheduler is reachable; retry shortly")
+        return min(links, key=SchedulerLink.load)
+
+    def submit(self, req: AddRequest, link: SchedulerLink) -> RequestHandle:
+        if not self._send(link, req):
+            raise unavailable(f"scheduler {link.addr} is not accepting requests; retry shortly")
+        handle = RequestHandle(req.request_id, link)
+        self._pending[req.request_id] = handle
+        link.request_ids.add(req.request_id)
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone, stop string hit); its later replies are dropped."""
+        handle = self._forget(request_id)
+        if handle is not None:
+            self._send(handle.link, AbortRequest(request_id=request_id))
+
+    def _forget(self, request_id: str) -> RequestHandle | None:
+        handle = self._pending.pop(request_id, None)
+        if handle is not None:
+            handle.link.request_ids.discard(request_id)
+        return handle
+
+    def _send(self, link: SchedulerLink, msg) -> bool:
+        if send_now(link.socket, encode(msg)):
+            return True
+        log.warning("scheduler_send_failed", scheduler=link.addr, msg=type(msg).__name__)
+        return False
+
+    # ------------------------------------------------------------ receiving
+
+    async def _recv_loop(self) -> None:
+        poller = zmq.asyncio.Poller()
+        for link in self.links:
+            poller.register(link.socket, zmq.POLLIN)
+        while True:
+            for socket, _ in await poller.poll(timeout=int(HEARTBEAT_S * 1000)):
+                await self._drain(self._by_socket[socket])
+
+    async def _drain(self, link: SchedulerLink) -> None:
+        for _ in range(MAX_RECV_PER_TICK):
+            try:
+                frames = await link.socket.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.on_frame(link, frames[-1])
+
+    def on_frame(self, link: SchedulerLink, frame: bytes) -> None:
+        """Decode and route one reply; a frame that does not decode is logged and dropped."""
+        try:
+            msg = gateway_reply_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("bad_frame", scheduler=link.addr, error=str(e), size=len(frame))
+            return
+        link.last_seen = time.monotonic()
+        match msg:
+            case StepOutputs(outputs=outputs):
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+            case RequestError(request_id=rid):
+                self._deliver(rid, msg)
+            case SchedulerStats():
+                link.stats = msg
+
+    def _deliver(self, request_id: str, reply: Reply) -> None:
+        handle = self._pending.get(request_id)
+        if handle is None:
+            return  # aborted or already finished: nothing waits for it
+        handle.queue.put_nowait(reply)
+        if is_final(reply):
+            self._forget(request_id)
+
+    # ------------------------------------------------------------ heartbeat
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for link in self.links:
+                self._send_hello(link)
+                if link.request_ids and now - link.last_seen >= STALE_AFTER_S:
+                    self._fail_all(link, f"scheduler {link.addr} stopped responding")
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def _send_hello(self, link: SchedulerLink) -> None:
+        # Not connected (yet) is no error: the next beat tries again.
+        send_now(link.socket, encode(GatewayHello(gateway_id=self.gateway_id)))
+
+    def _fail_all(self, link: SchedulerLink, message: str) -> None:
+        log.error("scheduler_lost", scheduler=link.addr, num_requests=len(link.request_ids))
+        for rid in list(link.request_ids):
+            self._deliver(rid, RequestError(request_id=rid, message=message, type="service_unavailable"))

@@ -1,0 +1,79 @@
+"""First-come-first-served stepping shared by every policy: running requests first
+(decodes, then prefill chunks), growth preemption, then admission in a given order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from .request import Request, Status
+from .step import Step
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerCore
+
+
+def schedule_running(core: SchedulerCore, step: Step, order: list[Request]) -> None:
+    """Give each running request its tokens, decodes before prefill chunks, in `order`.
+    A request short of blocks preempts the request at the end of `order` that has not
+    been scheduled this step (possibly itself)."""
+    for decodes in (True, False):
+        for req in order:
+            if step.tokens_left == 0 or step.seqs_left == 0:
+                return
+            if req.status is not Status.RUNNING or step.is_scheduled(req):
+                continue
+            num_new = req.num_schedulable()
+            if num_new == 0 or (num_new == 1) != decodes:
+                continue
+            num_new = min(num_new, step.tokens_left)
+            need = core.memory.blocks_needed(req, num_new)
+            step.num_blocks_wanted += need
+            if make_room(core, step, req, need, order):
+                core.memory.grow(req, num_new)
+                step.schedule(req, num_new)
+
+
+def make_room(core: SchedulerCore, step: Step, req: Request, need: int, order: list[Request]) -> bool:
+    hbm = core.memory.hbm
+    while hbm.num_free < need:
+        if hbm.num_free + hbm.num_deferred >= need:
+            return False  # blocks being copied out come back next step: wait, don't preempt more
+        victim = last_unscheduled(step, order)
+        if victim is None:
+            return False
+        core.preempt(victim, step)
+        if victim is req:
+            return False
+    return True
+
+
+def last_unscheduled(step: Step, order: list[Request]) -> Request | None:
+    for req in reversed(order):
+        if req.status is Status.RUNNING and not step.is_scheduled(req):
+            return req
+    return None
+
+
+def admit_in_order(core: SchedulerCore, step: Step, candidates: Iterable[Request]) -> None:
+    """Admit waiting/rotary requests in `candidates` order until one does not fit
+    (head-of-line: a later request never jumps a blocked earlier one)."""
+    memory = core.memory
+    for req in candidates:
+        if step.tokens_left == 0 or step.seqs_left == 0:
+            return
+        if len(core.running) >= core.cfg.max_num_seqs:
+            return
+        if req.preempted_step == step.step_id or req.num_pending:
+            continue  # not back in the step that evicted it; or its sample is in flight
+        num_new = min(req.num_schedulable(), step.tokens_left)
+        if num_new == 0:
+            continue
+        need = memory.blocks_needed(req, num_new)
+        step.num_blocks_wanted += need
+        if req.status is Status.ROTARY:
+            if not memory.can_swap_in(req, num_new, step.moves_left):
+                return
+        elif not memory.hbm.can_allocate(need):
+            return
+        core.admit(req, step, num_new)

@@ -1,0 +1,138 @@
+"""Block moves of the two-tier manager: growth, preemption (swap or recompute), swap-in
+and eager mirroring. Reuse of freed blocks follows the rule in blocks.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .blocks import BlockPool
+from .request import Request, Status, blocks_for
+from .step import Step
+
+
+class Memory:
+    def __init__(self, num_hbm_blocks: int, num_dram_blocks: int, block_size: int, mirrors: bool):
+        self.hbm = BlockPool(num_hbm_blocks, "hbm")
+        self.dram = BlockPool(num_dram_blocks, "dram")
+        self.block_size = block_size
+        self.mirrors = mirrors  # keep DRAM copies of synced blocks (eager rotation)
+        self.num_swapped_in = 0  # blocks
+        self.num_swapped_out = 0
+        self.num_mirrored = 0
+
+    # ------------------------------------------------------------ growth
+
+    def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        """HBM blocks `req` lacks to compute `num_new_tokens` more (RUNNING) or to be
+        swapped in and compute them (ROTARY)."""
+        total = blocks_for(req.num_computed_tokens + num_new_tokens, self.block_size)
+        return total - len(req.hbm_blocks)
+
+    def grow(self, req: Request, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(req, num_new_tokens)
+        if not self.hbm.can_allocate(need):
+            return False
+        req.hbm_blocks += self.hbm.allocate(need)
+        return True
+
+    # ------------------------------------------------------------ release
+
+    def release_all(self, req: Request) -> None:
+        """Drop every copy of `req`'s KV (finish, abort, recompute)."""
+        self.hbm.free(req.hbm_blocks)
+        self.dram.free(req.dram_blocks)
+        req.hbm_blocks = []
+        req.dram_blocks = []
+        req.num_sent_blocks = 0
+        req.table_reset = True
+
+    def preempt_recompute(self, req: Request) -> None:
+        self.release_all(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+
+    def can_swap_out(self, req: Request, moves_left: int, running: Iterable[Request]) -> bool:
+        num_copy = len(req.hbm_blocks) - len(req.dram_blocks)
+        if num_copy > moves_left:
+            return False
+        if not self.dram.can_allocate(num_copy):
+            self.reclaim_mirrors(num_copy, running, keep=req)
+        return self.dram.can_allocate(num_copy)
+
+    def preempt_swap(self, req: Request, step: Step) -> None:
+        """Move `req` to DRAM: mirrored blocks are freed now, the rest is copied and freed
+        after the plan. Call `can_swap_out` first."""
+        num_mirrored = len(req.dram_blocks)
+        src = req.hbm_blocks[num_mirrored:]
+        dst = self.dram.allocate(len(src))
+        step.swap_out += zip(src, dst)
+        step.moves_left -= len(src)
+        self.num_swapped_out += len(src)
+        self.hbm.free(req.hbm_blocks[:num_mirrored])
+        self.hbm.defer(src)
+        req.dram_blocks += dst
+        req.hbm_blocks = []
+        req.num_sent_blocks = 0
+        req.table_reset = True
+        req.status = Status.ROTARY
+
+    def reclaim_mirrors(self, num_blocks: int, running: Iterable[Request], keep: Request) -> None:
+        """Free DRAM mirrors of running requests (they are only copies) until
+        `num_blocks` DRAM blocks are free."""
+        for req in running:
+            if self.dram.num_free >= num_blocks:
+                return
+            if req is keep or not req.dram_blocks:
+                continue
+            num_drop = min(len(req.dram_blocks), num_blocks - self.dram.num_free)
+            self.dram.free(req.dram_blocks[-num_drop:])
+            del req.dram_blocks[-num_drop:]
+
+    # ------------------------------------------------------------ swap-in
+
+    def can_swap_in(self, req: Request, num_new_tokens: int, moves_left: int) -> bool:
+        return len(req.dram_blocks) <= moves_left and self.hbm.can_allocate(
+            self.blocks_needed(req, num_new_tokens)
+        )
+
+    def swap_in(self, req: Request, step: Step) -> None:
+        """Bring a ROTARY request's KV back to HBM. Synced DRAM blocks stay as mirrors when
+        eager rotation is on; the others are freed after the plan (they are read by it)."""
+        src = req.dram_blocks
+        dst = self.hbm.allocate(len(src))
+        step.swap_in += zip(src, dst)
+        step.moves_left -= len(src)
+        self.num_swapped_in += len(src)
+        num_keep = req.num_computed_tokens // self.block_size if self.mirrors else 0
+        self.dram.defer(src[num_keep:])
+        req.dram_blocks = src[:num_keep]
+        req.hbm_blocks = dst
+        req.table_reset = True
+        req.status = Status.RUNNING
+
+    # ------------------------------------------------------------ eager rotation
+
+    def mirror(self, running: Iterable[Request], step: Step) -> None:
+        """Copy synced, unmirrored HBM blocks of running requests to DRAM within the step's
+        spare copy budget. A block counts as synced only if a plan before this one filled
+        it (this plan's compute runs after its copies)."""
+        for req in running:
+            if step.moves_left <= 0 or self.dram.num_free == 0:
+                return
+            done = req.num_computed_tokens
+            if step.is_scheduled(req):
+                done -= req.step_new_tokens
+            num_synced = done // self.block_size
+            num_copy = min(num_synced - len(req.dram_blocks), step.moves_left, self.dram.num_free)
+            if num_copy <= 0:
+                continue
+            src = req.hbm_blocks[len(req.dram_blocks) : len(req.dram_blocks) + num_copy]
+            dst = self.dram.allocate(num_copy)
+            step.eager += zip(src, dst)
+            step.moves_left -= num_copy
+            self.num_mirrored += num_copy
+            req.dram_blocks += dst
+
+    def end_plan(self) -> None:
+        self.hbm.release_deferred()
+        self.dram.release_deferred()

@@ -1,0 +1,97 @@
+"""One request's scheduling state.
+
+Token accounting follows vLLM v1: `num_computed_tokens` advances when a step is planned,
+not when its result arrives, so the next plan can be built while the previous one runs.
+A step that computes up to the end of the known tokens samples one token; until that
+token comes back it is a *pending* token (`num_pending`): its position is known, its id is
+not (the worker has it).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.protocol import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no KV anywhere
+    RUNNING = "running"  # KV in HBM
+    ROTARY = "rotary"  # paused, KV complete in DRAM
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+LIVE = (Status.WAITING, Status.RUNNING, Status.ROTARY)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    seq: int  # arrival order, the FCFS priority
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    ttft_slo: float
+    tbt_slo: float
+    arrival: float
+    max_model_len: int
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_pending: int = 0
+    # Live KV blocks in HBM (RUNNING) and DRAM blocks: the live copy (ROTARY) or mirrors
+    # of the first len(dram_blocks) synced blocks (RUNNING, eager rotation).
+    hbm_blocks: list[int] = field(default_factory=list)
+    dram_blocks: list[int] = field(default_factory=list)
+    last_token_time: float = 0.0
+    run_start: float = 0.0
+    sent: bool = False  # the worker has seen it in Plan.new_requests
+    num_sent_blocks: int = 0  # prefix of hbm_blocks the worker's block table holds
+    table_reset: bool = False  # next ScheduledRequest carries the whole block table
+    scheduled_step: int = -1  # last step that computed tokens for it
+    step_new_tokens: int = 0  # tokens planned in `scheduled_step`
+    preempted_step: int = -1
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose positions are known: prompt + outputs + pending samples."""
+        return self.num_tokens + self.num_pending
+
+    @property
+    def has_emitted(self) -> bool:
+        return bool(self.output_token_ids)
+
+    @property
+    def is_live(self) -> bool:
+        return self.status in LIVE
+
+    def wants_more(self) -> bool:
+        num_out = len(self.output_token_ids) + self.num_pending
+        return num_out < self.params.max_tokens and self.num_known < self.max_model_len
+
+    def num_schedulable(self) -> int:
+        """Tokens it could compute now (0 while all it needs is a pending sample)."""
+        return self.num_known - self.num_computed_tokens if self.wants_more() else 0
+
+    def token_all(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def finish_check(self, stop: bool) -> str | None:
+        """Finish reason after a token was appended, or None."""
+        if stop:
+            return "stop"
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return "length"
+        if self.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,46 @@
+"""The record of one step while it is planned: budgets, scheduled work, copies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import Request
+
+
+@dataclass
+class Step:
+    step_id: int
+    now: float
+    tokens_left: int  # chunked-prefill token budget
+    moves_left: int  # B_xfer: blocks that may still be copied this step
+    seqs_left: int  # requests that may still be scheduled this step
+    free_hbm_at_start: int
+    scheduled: list[Request] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (dram, hbm)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (hbm, dram)
+    eager: list[tuple[int, int]] = field(default_factory=list)  # (hbm, dram)
+    num_preempted: int = 0  # swap and recompute
+    num_recomputed: int = 0
+    num_swapped_in_reqs: int = 0
+    # HBM blocks the step tried to place (admissions and growth), met or not: a step may
+    # preempt only when this exceeds the free blocks it started with.
+    num_blocks_wanted: int = 0
+    fits_all: bool = False  # HBM held every live request's KV when the step began
+
+    @property
+    def num_moved(self) -> int:
+        return len(self.swap_in) + len(self.swap_out) + len(self.eager)
+
+    def schedule(self, req: Request, num_new_tokens: int) -> None:
+        """Advance `req` by `num_new_tokens` (its blocks must already be allocated)."""
+        req.step_new_tokens = num_new_tokens
+        req.scheduled_step = self.step_id
+        req.num_computed_tokens += num_new_tokens
+        if req.num_computed_tokens == req.num_known:
+            req.num_pending += 1  # reached the end of its known tokens: it samples
+        self.tokens_left -= num_new_tokens
+        self.seqs_left -= 1
+        self.scheduled.append(req)
+
+    def is_scheduled(self, req: Request) -> bool:
+        return req.scheduled_step == self.step_id

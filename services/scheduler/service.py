@@ -1,0 +1,259 @@
+"""The scheduler service: the pure RotaSched core between gateways and one worker.
+
+    gateways ──DEALER──▶ ROUTER [scheduler] DEALER ◀──DEALER── worker
+                         (bind)              (bind)
+
+One loop: receive (bounded per tick) → dispatch → step → send. The core never sees a
+socket or the clock; this file feeds it `now` and moves its Plans and outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import signal
+import time
+import uuid
+from collections import defaultdict
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from services.scheduler.core import SchedulerConfig, SchedulerCore
+from shared import config, protocol as p
+from shared.log import setup_logging
+
+MAX_RECV_PER_TICK = 256
+STATS_INTERVAL_S = 1.0
+STATS_MIN_GAP_S = 0.05
+INVARIANT_CHECK_EVERY = 200  # steps
+
+
+def core_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        policy=args.policy,
+        max_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        alpha=args.alpha,
+        beta_b=args.beta_b,
+        beta_f=args.beta_f,
+        ttft_slo=args.ttft_slo,
+        tbt_slo=args.tbt_slo,
+        xfer_budget=args.xfer_budget,
+    )
+
+
+class SchedulerService:
+    def __init__(self, cfg: SchedulerConfig, bind: str, worker_bind: str, log) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.id = f"sched-{uuid.uuid4().hex[:8]}"
+        self.ctx = zmq.asyncio.Context()
+        self.front = self._socket(zmq.ROUTER, bind)
+        self.back = self._socket(zmq.DEALER, worker_bind)
+        self.core: SchedulerCore | None = None
+        self.worker: p.WorkerReady | None = None
+        self.owner: dict[str, bytes] = {}  # request_id -> gateway identity
+        self.gateways: set[bytes] = set()
+        self.pending: list[tuple[bytes, p.AddRequest]] = []  # arrived before the worker
+        self.in_flight: int | None = None  # step id sent to the worker
+        self.num_steps = 0
+        self.last_stats = 0.0
+        self.stopping = False
+
+    def _socket(self, kind: int, addr: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.SNDHWM, config.ZMQ_HWM)
+        sock.setsockopt(zmq.RCVHWM, config.ZMQ_HWM)
+        sock.setsockopt(zmq.LINGER, config.ZMQ_LINGER_MS)
+        sock.bind(addr)
+        return sock
+
+    async def run(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        self.log.info("scheduler up", policy=self.cfg.policy)
+        while not self.stopping:
+            events = dict(await poller.poll(timeout=100))
+            if self.front in events:
+                await self._drain(self.front, self._on_gateway)
+            if self.back in events:
+                await self._drain(self.back, self._on_worker)
+            self._maybe_step()
+            self._maybe_send_stats()
+        self.close()
+
+    async def _drain(self, sock: zmq.asyncio.Socket, handler) -> None:
+        for _ in range(MAX_RECV_PER_TICK):
+            try:
+                frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handler(frames)
+
+    # ------------------------------------------------------------ gateway side
+
+    def _on_gateway(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.log.warning("malformed gateway frame", parts=len(frames))
+            return
+        identity, payload = frames
+        try:
+            msg = p.gateway_msg_decoder.decode(payload)
+        except msgspec.DecodeError as e:
+            self.log.warning("undecodable gateway message", error=str(e))
+            return
+        self.gateways.add(identity)
+        match msg:
+            case p.GatewayHello():
+                self._send_stats_to(identity)
+            case p.AddRequest():
+                if self.core is None:
+                    self.pending.append((identity, msg))
+                else:
+                    self._add(identity, msg)
+            case p.AbortRequest(request_id=rid):
+                self.pending = [(i, m) for i, m in self.pending if m.request_id != rid]
+                out = self.core.abort_request(rid, time.monotonic()) if self.core else None
+                owner = self.owner.pop(rid, None)
+                if out is not None and owner is not None:
+                    self._reply(owner, p.StepOutputs([out]))
+
+    def _add(self, identity: bytes, req: p.AddRequest) -> None:
+        try:
+            self.core.add_request(req, time.monotonic())
+        except ValueError as e:
+            self._reply(identity, p.RequestError(req.request_id, str(e), "invalid_request_error"))
+            return
+        self.owner[req.request_id] = identity
+
+    def _reply(self, identity: bytes, msg) -> None:
+        self.front.send_multipart([identity, p.encode(msg)], flags=zmq.NOBLOCK)
+
+    # ------------------------------------------------------------ worker side
+
+    def _on_worker(self, frames: list[bytes]) -> None:
+        try:
+            msg = p.worker_reply_decoder.decode(frames[-1])
+        except msgspec.DecodeError as e:
+            self.log.warning("undecodable worker message", error=str(e))
+            return
+        match msg:
+            case p.WorkerReady():
+                self._on_worker_ready(msg)
+            case p.StepResult():
+                self._on_result(msg)
+            case p.WorkerError(step_id=step, message=text):
+                self.log.error("worker step failed", step_id=step, error=text)
+                self._fail_all(f"worker error: {text}")
+
+    def _on_worker_ready(self, ready: p.WorkerReady) -> None:
+        if self.core is not None:
+            self.log.warning("worker reconnected; failing in-flight requests")
+            self._fail_all("worker restarted")
+        self.worker = ready
+        # The worker owns the KV layout, so its block size wins.
+        cfg = dataclasses.replace(self.cfg, block_size=ready.block_size)
+        self.core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len)
+        self.in_flight = None
+        self.log.info(
+            "worker ready",
+            model=ready.model_name,
+            device=ready.device,
+            hbm_blocks=ready.num_hbm_blocks,
+            dram_blocks=ready.num_dram_blocks,
+        )
+        pending, self.pending = self.pending, []
+        for identity, req in pending:
+            self._add(identity, req)
+
+    def _on_result(self, result: p.StepResult) -> None:
+        if result.step_id != self.in_flight:
+            self.log.warning("stale step result", step_id=result.step_id, expected=self.in_flight)
+            return
+        self.in_flight = None
+        outputs = self.core.update(result, time.monotonic())
+        by_owner: dict[bytes, list[p.TokenOutput]] = defaultdict(list)
+        for out in outputs:
+            owner = self.owner.get(out.request_id)
+            if owner is None:
+                continue
+            by_owner[owner].append(out)
+            if out.finish_reason is not None:
+                del self.owner[out.request_id]
+        for owner, outs in by_owner.items():
+            self._reply(owner, p.StepOutputs(outs))
+        self.num_steps += 1
+        if self.num_steps % INVARIANT_CHECK_EVERY == 0 or not self.core.has_unfinished():
+            self.core.check_invariants()
+
+    def _fail_all(self, reason: str) -> None:
+        for rid, owner in self.owner.items():
+            self._reply(owner, p.RequestError(rid, reason, "internal_error"))
+        self.owner.clear()
+        self.core = None
+        self.in_flight = None
+
+    # ------------------------------------------------------------ stepping and stats
+
+    def _maybe_step(self) -> None:
+        if self.core is None or self.in_flight is not None:
+            return
+        plan = self.core.schedule(time.monotonic())
+        if plan is None:
+            return
+        self.back.send(p.encode(plan), flags=zmq.NOBLOCK)
+        self.in_flight = plan.step_id
+
+    def _maybe_send_stats(self) -> None:
+        now = time.monotonic()
+        busy = self.in_flight is not None
+        if now - self.last_stats < (STATS_MIN_GAP_S if busy else STATS_INTERVAL_S):
+            return
+        self.last_stats = now
+        for identity in self.gateways:
+            self._send_stats_to(identity)
+
+    def _send_stats_to(self, identity: bytes) -> None:
+        self._reply(identity, self.stats())
+
+    def stats(self) -> p.SchedulerStats:
+        s = self.core.stats() if self.core else {}
+        w = self.worker
+        return p.SchedulerStats(
+            scheduler_id=self.id,
+            model_name=w.model_name if w else "",
+            max_model_len=w.max_model_len if w else 0,
+            num_waiting=s.get("num_waiting", len(self.pending)),
+            num_running=s.get("num_running", 0),
+            num_rotary=s.get("num_rotary", 0),
+            num_hbm_blocks=s.get("num_hbm_blocks", 0),
+            num_free_hbm_blocks=s.get("num_free_hbm_blocks", 0),
+            num_dram_blocks=s.get("num_dram_blocks", 0),
+            num_free_dram_blocks=s.get("num_free_dram_blocks", 0),
+            num_preemptions=s.get("num_preemptions", 0),
+            worker_ready=self.core is not None,
+        )
+
+    def close(self) -> None:
+        self.front.close()
+        self.back.close()
+        self.ctx.term()
+
+
+def run(args: argparse.Namespace) -> int:
+    log = setup_logging("scheduler", args.log_level)
+    service = SchedulerService(core_config(args), args.bind, args.worker_bind, log)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: setattr(service, "stopping", True))
+        await service.run()
+
+    asyncio.run(main())
+    log.info("scheduler stopped")
+    return 0

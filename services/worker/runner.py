@@ -1,0 +1,174 @@
+"""The model runner: a Plan's scheduled requests in, one sampled token per finished row out.
+
+It keeps, per request, the tokens known so far (prompt + outputs), the HBM block table
+and the sampling state; the scheduler sends only diffs. Each `execute` runs ONE forward
+over all scheduled tokens and samples the requests whose computed tokens reach the end of
+their known tokens. It never decides anything: which tokens, which blocks, is the Plan's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker.attention import build_metadata
+from services.worker.model import LlamaModel
+from services.worker.sampler import draw_seed, make_generator, request_seed, sample
+from services.worker.weights import load_weights
+from shared.modelfile import ModelConfig, read_model_config
+from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
+
+
+def load_model(path: Path, device: torch.device | str, dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, ModelConfig]:
+    """Our model with the weights at `path` (GGUF file or HF directory), ready for inference."""
+    cfg = read_model_config(Path(path))
+    model = LlamaModel(cfg, load_weights(Path(path), cfg))
+    return model.to(device=device, dtype=dtype).eval(), cfg
+
+
+def kv_block_shape(cfg: ModelConfig, block_size: int) -> tuple[int, ...]:
+    """Shape of one block of the pool: every layer's K and V for `block_size` tokens."""
+    return (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
+    numel = 1
+    for d in kv_block_shape(cfg, block_size):
+        numel *= d
+    return numel * dtype.itemsize
+
+
+def allocate_kv_pool(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """[num_blocks, num_layers, 2, block_size, KV, D], zeroed."""
+    return torch.zeros((num_blocks, *kv_block_shape(cfg, block_size)), dtype=dtype, device=device)
+
+
+@dataclass
+class _Request:
+    token_ids: list[int]  # prompt + outputs so far
+    params: SamplingParams
+    generator: torch.Generator | None
+    seed: int
+    block_table: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cfg: ModelConfig, kv_pool: torch.Tensor, block_size: int, device):
+        want = kv_block_shape(cfg, block_size)
+        if tuple(kv_pool.shape[1:]) != want:
+            raise ValueError(f"kv_pool blocks are {tuple(kv_pool.shape[1:])}, the model needs {want}")
+        self.model = model
+        self.cfg = cfg
+        self.kv_pool = kv_pool
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self._requests: dict[str, _Request] = {}
+
+    # ------------------------------------------------------------ request state
+
+    def add_requests(self, new: list[NewRequestData]) -> None:
+        for r in new:
+            if r.request_id in self._requests:
+                raise ValueError(f"request {r.request_id!r} is already known")
+            self._requests[r.request_id] = _Request(
+                token_ids=list(r.prompt_token_ids) + list(r.output_token_ids),
+                params=r.params,
+                generator=make_generator(r.params, self.device),
+                seed=request_seed(r.params),
+                block_table=[],
+            )
+
+    def drop(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._requests.pop(rid, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def token_ids(self, request_id: str) -> list[int]:
+        """Prompt + outputs known for the request (a copy)."""
+        return list(self._requests[request_id].token_ids)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------ one step
+
+    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[str], list[int]]:
+        """Run one step; returns (request ids, sampled token ids) in the order of `scheduled`."""
+        if not scheduled:
+            return [], []
+        _check_unique(scheduled)
+        for s in scheduled:
+            self._apply_block_changes(s)
+        # Single-token queries first: attention batches them in one call.
+        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens != 1)
+        step = [scheduled[i] for i in order]
+        reqs = [self._requests[s.request_id] for s in step]
+        token_ids, positions, sample_rows, sampled = self._inputs(step, reqs)
+        meta = build_metadata(
+            [s.num_computed_tokens for s in step],
+            [s.num_new_tokens for s in step],
+            [r.block_table for r in reqs],
+            self.block_size,
+            self.device,
+        )
+        with torch.inference_mode():
+            logits = self.model(
+                torch.tensor(token_ids, dtype=torch.long).to(self.device),
+                torch.tensor(positions, dtype=torch.long).to(self.device),
+                meta,
+                self.kv_pool,
+                torch.tensor(sample_rows, dtype=torch.long).to(self.device),
+            )  # [S, V]
+            chosen = [reqs[i] for i in sampled]
+            new_tokens = sample(
+                logits,
+                [r.params for r in chosen],
+                [r.generator for r in chosen],
+                [draw_seed(r.seed, len(r.token_ids)) for r in chosen],
+            )
+        for r, t in zip(chosen, new_tokens):
+            r.token_ids.append(t)
+        by_request = {step[i].request_id: t for i, t in zip(sampled, new_tokens)}
+        ids = [s.request_id for s in scheduled if s.request_id in by_request]
+        return ids, [by_request[rid] for rid in ids]
+
+    def _apply_block_changes(self, s: ScheduledRequest) -> None:
+        """`block_table`, when set, is the whole new table; `new_block_ids` are then appended."""
+        req = self._requests.get(s.request_id)
+        if req is None:
+            raise KeyError(f"scheduled request {s.request_id!r} is unknown to the worker")
+        if s.block_table is not None:
+            req.block_table = list(s.block_table)
+        req.block_table.extend(s.new_block_ids)
+
+    def _inputs(self, step: list[ScheduledRequest], reqs: list[_Request]):
+        """Flattened token ids and positions, the rows that sample, and which requests they are."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[int] = []
+        for i, (s, r) in enumerate(zip(step, reqs)):
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            if s.num_new_tokens < 1 or start < 0 or end > len(r.token_ids):
+                raise ValueError(
+                    f"request {s.request_id!r}: tokens [{start}, {end}) outside the {len(r.token_ids)} known"
+                )
+            token_ids.extend(r.token_ids[start:end])
+            positions.extend(range(start, end))
+            if end == len(r.token_ids):
+                sample_rows.append(len(token_ids) - 1)
+                sampled.append(i)
+        return token_ids, positions, sample_rows, sampled
+
+
+def _check_unique(scheduled: list[ScheduledRequest]) -> None:
+    ids = [s.request_id for s in scheduled]
+    if len(set(ids)) != len(ids):
+        raise ValueError("a request is scheduled twice in one step")
