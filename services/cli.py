@@ -81,7 +81,8 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
         "--hbm-fraction",
         type=float,
         default=None,
-        help="share of free device memory for the KV pool (default 0.85 on GPU; 1 GiB on CPU)",
+        help="share of memory for the KV pool when --hbm-blocks is not given "
+        "(default 0.9 of device memory on GPU, 0.25 of available RAM on CPU)",
     )
     g.add_argument("--dram-gb", type=float, default=2.0, help="host-memory KV pool size in GiB (default %(default)s)")
     g.add_argument(

@@ -21,7 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from services.scheduler.core import SchedulerConfig, SchedulerCore
+from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
 from shared import config, protocol as p
 from shared.log import setup_logging
 
@@ -125,6 +125,9 @@ class SchedulerService:
     def _add(self, identity: bytes, req: p.AddRequest) -> None:
         try:
             self.core.add_request(req, time.monotonic())
+        except Overloaded as e:
+            self._reply(identity, p.RequestError(req.request_id, str(e), "overloaded"))
+            return
         except ValueError as e:
             self._reply(identity, p.RequestError(req.request_id, str(e), "invalid_request_error"))
             return

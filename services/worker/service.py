@@ -17,9 +17,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from services.worker.kv_pool import KVPools
+from services.worker.kv_pool import KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
 from services.worker.runner import ModelRunner, load_model
-from services.worker.transfer import make_engine
+from services.worker.transfer import TransferEngine
 from shared import config, protocol as p
 from shared.log import setup_logging
 from shared.modelfile import resolve_model_path
@@ -100,15 +100,14 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     t0 = time.perf_counter()
     model, cfg = load_model(path, device)
-    pools = KVPools.create(
-        cfg,
-        block_size=args.block_size,
-        device=device,
-        hbm_blocks=args.hbm_blocks,
-        hbm_fraction=args.hbm_fraction,
-        dram_gb=args.dram_gb,
+    spec = KVSpec.from_model(cfg, args.block_size, dtype=next(model.parameters()).dtype)
+    pools = KVPools(
+        spec,
+        num_hbm_blocks(spec, device, args.hbm_blocks, args.hbm_fraction),
+        num_dram_blocks(spec, args.dram_gb),
+        device,
     )
-    engine = make_engine(pools, args.transfer_mode)
+    engine = TransferEngine(pools, args.transfer_mode)
     runner = ModelRunner(model, cfg, pools.hbm, args.block_size, device)
     log.info("model loaded", model=cfg.name, seconds=round(time.perf_counter() - t0, 2))
     ready = p.WorkerReady(

@@ -56,6 +56,7 @@ class Request:
     scheduled_step: int = -1  # last step that computed tokens for it
     step_new_tokens: int = 0  # tokens planned in `scheduled_step`
     preempted_step: int = -1
+    demand_blocks: int = 0  # blocks_for(num_known), summed by the core
     finish_reason: str | None = None
 
     @property

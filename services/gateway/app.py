@@ -1,0 +1,231 @@
+"""The HTTP application: routes, authentication, and one error shape for everything.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    GET  /health                GET  /metrics          GET /openapi.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import structlog
+from aiohttp import web
+
+from services.gateway import params
+from services.gateway.api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    decode_request,
+    encode_json,
+)
+from services.gateway.detokenizer import TextStream
+from services.gateway.errors import ApiError, internal
+from services.gateway.generate import Timing, generate
+from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from services.gateway.openapi import openapi_document
+from services.gateway.responses import ChatFormat, CompletionFormat, respond_full, respond_stream
+from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.tokenizer import ModelTokenizer
+from shared.modelfile import ModelConfig
+from shared.protocol import AddRequest
+
+MAX_BODY_BYTES = 4 << 20
+log = structlog.get_logger()
+
+
+@dataclass
+class GatewayState:
+    client: SchedulerClient
+    tokenizer: ModelTokenizer
+    config: ModelConfig
+    api_key: str | None = None
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def served_names(self) -> set[str]:
+        return {self.config.name} | {s.model_name for s in self.client.live_stats()}
+
+    def max_model_len(self, scheduler_max: int | None) -> int:
+        return self.config.max_position if scheduler_max is None else min(self.config.max_position, scheduler_max)
+
+
+STATE = web.AppKey("state", GatewayState)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    prefix: str
+    request_type: type
+    prompt_ids: object  # (request, tokenizer) -> list[int]
+    format: type
+
+
+CHAT = Endpoint("chatcmpl", ChatCompletionRequest, params.chat_prompt_ids, ChatFormat)
+COMPLETION = Endpoint("cmpl", CompletionRequest, params.completion_prompt_ids, CompletionFormat)
+
+
+# ---------------------------------------------------------------- generation
+
+
+async def read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", code="request_too_large") from None
+
+
+async def generation(request: web.Request, ep: Endpoint) -> web.StreamResponse:
+    state = request.app[STATE]
+    request_id = f"{ep.prefix}-{uuid.uuid4().hex}"
+    with structlog.contextvars.bound_contextvars(request_id=request_id):
+        try:
+            return await _generation(request, state, ep, request_id)
+        except ApiError as e:
+            log.info("request_refused", status=e.status, error=e.info.message)
+            raise
+        except asyncio.CancelledError:  # the client went away (or the server is stopping)
+            log.info("request_cancelled")
+            raise
+
+
+async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, request_id: str):
+    req = decode_request(await read_body(request), ep.request_type)
+    params.check_supported(req)
+    model = _check_model(req.model, state)
+    link = state.client.pick()
+    prompt_ids = ep.prompt_ids(req, state.tokenizer)
+    prep = params.prepare(req, prompt_ids, state.max_model_len(link.stats.max_model_len), state.tokenizer.stop_token_ids)
+    add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)
+    text = TextStream(state.tokenizer.decode, prep.stop, prompt_ids)
+    fmt, timing = ep.format(request_id, model), Timing()
+    handle = state.client.submit(add, link)
+    log.info("request_accepted", num_prompt_tokens=len(prompt_ids), max_tokens=prep.params.max_tokens, stream=prep.stream)
+    try:
+        async with aclosing(generate(state.client, handle, text, timing)) as pieces:
+            if prep.stream:
+                return await respond_stream(request, pieces, fmt, len(prompt_ids), prep.include_usage)
+            return await respond_full(pieces, fmt, len(prompt_ids))
+    finally:
+        _finished(state, timing, len(prompt_ids))
+
+
+def _finished(state: GatewayState, timing: Timing, num_prompt: int) -> None:
+    end = time.monotonic()
+    if timing.finish_reason is not None:
+        state.metrics.observe_finished(timing, num_prompt, end)
+    log.info(
+        "request_finished",
+        finish_reason=timing.finish_reason,
+        num_output_tokens=timing.num_output_tokens,
+        ttft_s=None if timing.first_token is None else round(timing.first_token - timing.arrival, 4),
+        e2e_s=round(end - timing.arrival, 4),
+    )
+
+
+def _check_model(name: str | None, state: GatewayState) -> str:
+    if name is None or name in state.served_names():
+        return name or state.config.name
+    raise ApiError(404, f"model {name!r} does not exist (served: {state.config.name})", param="model", code="model_not_found")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await generation(request, CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await generation(request, COMPLETION)
+
+
+# ---------------------------------------------------------------- information
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    lens = [s.max_model_len for s in state.client.live_stats()]
+    card = ModelCard(id=state.config.name, created=state.started, max_model_len=state.max_model_len(min(lens, default=None)))
+    return _json(ModelList(data=[card]))
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while at least one scheduler with a ready worker reports in; 503 otherwise."""
+    state = request.app[STATE]
+    stats = state.client.live_stats()
+    body = {"status": "ok" if stats else "unavailable", "schedulers": [_fields(s) for s in stats]}
+    return web.Response(body=encode_json(body), status=200 if stats else 503, content_type="application/json")
+
+
+def _fields(struct) -> dict:
+    """A struct as a JSON object (wire structs encode as arrays)."""
+    return {f: getattr(struct, f) for f in struct.__struct_fields__}
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.Response(body=state.metrics.render(state.client.live_stats()), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI], content_type="application/json")
+
+
+OPENAPI = web.AppKey("openapi", bytes)
+
+
+def _json(obj, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=encode_json(obj), status=status, headers=headers, content_type="application/json")
+
+
+# ---------------------------------------------------------------- middleware
+
+
+def error_response(e: ApiError) -> web.Response:
+    return _json(e.body(), e.status, e.headers())
+
+
+@web.middleware
+async def errors_and_metrics(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure leaves as an OpenAI-style body; every response is counted."""
+    try:
+        resp = await handler(request)
+    except ApiError as e:
+        resp = error_response(e)
+    except web.HTTPException as e:  # router: 404 no route, 405 wrong method
+        resp = error_response(ApiError(e.status, e.reason, "invalid_request_error" if e.status < 500 else "server_error"))
+    except Exception:
+        log.exception("handler_failed", path=request.path)
+        resp = error_response(internal("internal error"))
+    route = request.match_info.route.resource
+    request.app[STATE].metrics.http_requests.labels(
+        route=route.canonical if route is not None else "other", status=str(resp.status)
+    ).inc()
+    return resp
+
+
+@web.middleware
+async def bearer_auth(request: web.Request, handler) -> web.StreamResponse:
+    key = request.app[STATE].api_key
+    if key is not None and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
+    return await handler(request)
+
+
+def build_app(state: GatewayState) -> web.Application:
+    app = web.Application(middlewares=[errors_and_metrics, bearer_auth], client_max_size=MAX_BODY_BYTES)
+    app[STATE] = state
+    app[OPENAPI] = encode_json(openapi_document(state.config.name))
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+    return app

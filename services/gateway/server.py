@@ -1,0 +1,70 @@
+"""Starting and stopping the gateway.
+
+`run` blocks until SIGINT/SIGTERM, then stops within about two seconds: the listener
+closes, in-flight handlers get `SHUTDOWN_GRACE_S` to finish and are then cancelled (each
+cancelled request is aborted at its scheduler), and the sockets close with bounded linger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import structlog
+from aiohttp import web
+
+from services.gateway.app import GatewayState, build_app
+from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.tokenizer import load_tokenizer
+from shared.log import setup_logging
+from shared.modelfile import read_model_config, resolve_model_path
+
+SHUTDOWN_GRACE_S = 1.0
+log = structlog.get_logger()
+
+
+def run(host: str, port: int, scheduler_addrs: list[str], model: str | None, api_key: str | None = None) -> None:
+    setup_logging("gateway")
+    try:
+        asyncio.run(serve(host, port, scheduler_addrs, model, api_key))
+    finally:
+        log.info("gateway_stopped", service="gateway")
+
+
+async def serve(
+    host: str,
+    port: int,
+    scheduler_addrs: list[str],
+    model: str | None,
+    api_key: str | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until `stop` is set (by default: until SIGINT or SIGTERM)."""
+    stop = stop or _stop_on_signals()
+    structlog.contextvars.bind_contextvars(service="gateway")
+    path = resolve_model_path(model)
+    tokenizer = await asyncio.to_thread(load_tokenizer, path)
+    config = await asyncio.to_thread(read_model_config, path)
+    state = GatewayState(SchedulerClient(scheduler_addrs), tokenizer, config, api_key)
+    runner = web.AppRunner(
+        build_app(state), handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S, access_log=None
+    )
+    await state.client.start()
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        log.info(
+            "gateway_listening", host=host, port=port, model=state.config.name, schedulers=scheduler_addrs
+        )
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await state.client.close()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

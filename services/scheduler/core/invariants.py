@@ -1,0 +1,80 @@
+"""The scheduler's invariants, checked by the tests after every step and by the live
+service. Each failure raises AssertionError naming what broke."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from .request import Status, blocks_for
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerCore
+
+
+def check_invariants(core: SchedulerCore) -> None:
+    _check_ownership(core)
+    for req in core.requests.values():
+        _check_request(core, req)
+    _check_sets(core)
+    if core.last_step is not None:
+        _check_step(core)
+
+
+def _check_ownership(core: SchedulerCore) -> None:
+    """Every block is owned once (by a request or the free list); free + used = total."""
+    m = core.memory
+    for pool, attr in ((m.hbm, "hbm_blocks"), (m.dram, "dram_blocks")):
+        owned = [b for r in core.requests.values() for b in getattr(r, attr)]
+        counts = Counter(owned + pool.free_ids())
+        dup = [b for b, c in counts.items() if c > 1]
+        assert not dup, f"{pool.name} blocks owned more than once: {sorted(dup)[:8]}"
+        missing = set(range(pool.num_blocks)) - counts.keys()
+        assert not missing, f"{pool.name} blocks leaked (neither free nor owned): {sorted(missing)[:8]}"
+        assert len(counts) == pool.num_blocks, f"{pool.name} has blocks outside 0..{pool.num_blocks - 1}"
+        assert pool.num_free + pool.num_deferred + len(owned) == pool.num_blocks, f"{pool.name}: free + used != total"
+
+
+def _check_request(core: SchedulerCore, req) -> None:
+    bs, rid = core.cfg.block_size, req.request_id
+    num_kv_blocks = blocks_for(req.num_computed_tokens, bs)
+    assert 0 <= req.num_pending, f"{rid}: negative pending samples"
+    assert req.num_computed_tokens <= req.num_known, f"{rid}: computed past its known tokens"
+    if req.status is Status.RUNNING:
+        assert len(req.hbm_blocks) == num_kv_blocks, f"{rid}: RUNNING with {len(req.hbm_blocks)} HBM blocks for {req.num_computed_tokens} tokens"
+        assert len(req.dram_blocks) <= req.num_computed_tokens // bs, f"{rid}: DRAM mirror of a block that is not synced"
+        assert core.running.get(rid) is req, f"{rid}: RUNNING but not in the running set"
+    elif req.status is Status.ROTARY:
+        assert not req.hbm_blocks, f"{rid}: ROTARY but holds HBM blocks"
+        assert req.num_computed_tokens > 0, f"{rid}: ROTARY without KV"
+        assert len(req.dram_blocks) == num_kv_blocks, f"{rid}: ROTARY KV incomplete in DRAM ({len(req.dram_blocks)}/{num_kv_blocks})"
+    elif req.status is Status.WAITING:
+        assert not req.hbm_blocks and not req.dram_blocks, f"{rid}: WAITING but holds blocks"
+        assert req.num_computed_tokens == 0, f"{rid}: WAITING with computed tokens"
+    else:
+        raise AssertionError(f"{rid}: {req.status} but still live")
+
+
+def _check_sets(core: SchedulerCore) -> None:
+    num_paused = sum(1 for r in core.requests.values() if r.status is not Status.RUNNING)
+    assert len(core.q_waiting) + len(core.q_rotary) == num_paused, "paused requests missing from the queues"
+    assert len(core.q_first) + len(core.q_emitted) == num_paused, "paused requests missing from the VLT heaps"
+    assert all(r.status is Status.RUNNING for r in core.running.values()), "non-running request in the running set"
+    demand = sum(blocks_for(r.num_known, core.cfg.block_size) for r in core.requests.values())
+    assert demand == core.num_demand_blocks, f"demand {core.num_demand_blocks} != {demand}"
+
+
+def _check_step(core: SchedulerCore) -> None:
+    step = core.last_step
+    assert step.num_moved <= core.cfg.xfer_budget, f"step {step.step_id} moved {step.num_moved} > B_xfer"
+    assert len(step.scheduled) <= core.cfg.max_num_seqs, f"step {step.step_id}: too many requests"
+    num_tokens = sum(r.step_new_tokens for r in step.scheduled)
+    assert num_tokens <= core.cfg.max_batched_tokens, f"step {step.step_id}: {num_tokens} tokens over budget"
+    if step.num_preempted:
+        assert not step.fits_all or core.cfg.policy != "lvf", f"step {step.step_id} rotated although HBM held everything"
+        assert step.free_hbm_at_start < step.num_blocks_wanted, (
+            f"step {step.step_id} preempted with spare HBM ({step.free_hbm_at_start} free, "
+            f"{step.num_blocks_wanted} wanted)"
+        )
+    if not core.cfg.swaps:
+        assert not (step.swap_in or step.swap_out or step.eager), "fcfs copied blocks"

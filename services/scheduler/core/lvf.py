@@ -1,0 +1,110 @@
+"""Largest-VLT-First, the step RotaSched takes when HBM cannot hold every live request
+(when it can, the core schedules FCFS and rotates nothing).
+
+1. Paused requests come in VLT order (two heaps merged by their actual VLT, see vlt.py).
+2. From the head, each is admitted if its blocks fit in free HBM; a request that lags
+   (VLT > 0) may also take the blocks of running requests preempted from the tail of the
+   VLT order (the longest-running first; running VLT = -(now - t_run_start) < 0). Requests
+   within their slack (VLT = 0) only take free blocks: they are not late yet.
+3. The first request that cannot be placed ends admission (no jumping ahead), as does an
+   exhausted token or copy budget (B_xfer).
+4. Running requests then get their tokens, decodes first, newest run first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from .fcfs import schedule_running
+from .request import Request, Status
+from .step import Step
+from .vlt import lag_vlt
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerCore
+
+
+def schedule_lvf(core: SchedulerCore, step: Step) -> None:
+    # Running in VLT order, largest first: the most recently started first.
+    order = sorted(core.running.values(), key=lambda r: (-r.run_start, r.seq))
+    try:
+        admit_lagging(core, step, order, lvf_candidates(core, step.now))
+    finally:
+        core.q_first.restore()
+        core.q_emitted.restore()
+    schedule_running(core, step, [r for r in order if r.status is Status.RUNNING])
+
+
+def lvf_candidates(core: SchedulerCore, now: float) -> Iterator[tuple[float, Request]]:
+    """Paused requests as (VLT, request), largest VLT first; equal VLTs (within slack)
+    by the time they start to lag."""
+    cfg = core.cfg
+    first, emitted = core.q_first.iter_sorted(), core.q_emitted.iter_sorted()
+    head_f, head_e = next(first, None), next(emitted, None)
+    while head_f is not None or head_e is not None:
+        vf = lag_vlt(head_f[0], False, now, cfg) if head_f else -1.0
+        ve = lag_vlt(head_e[0], True, now, cfg) if head_e else -1.0
+        take_f = head_e is None or (head_f is not None and (vf, -head_f[0]) >= (ve, -head_e[0]))
+        if take_f:
+            yield vf, head_f[1]
+            head_f = next(first, None)
+        else:
+            yield ve, head_e[1]
+            head_e = next(emitted, None)
+
+
+def admit_lagging(
+    core: SchedulerCore, step: Step, order: list[Request], candidates: Iterator[tuple[float, Request]]
+) -> None:
+    memory = core.memory
+    num_decodes = sum(1 for r in order if r.num_schedulable() == 1)  # token reserve
+    for v, req in candidates:
+        if req.preempted_step == step.step_id or req.num_pending:
+            continue
+        num_new = min(req.num_schedulable(), step.tokens_left - num_decodes)
+        if num_new <= 0 or step.seqs_left - num_decodes <= 0:
+            return
+        need = memory.blocks_needed(req, num_new)
+        step.num_blocks_wanted += need
+        if len(req.dram_blocks) > step.moves_left:
+            return  # its swap-in does not fit in this step's copy budget
+        if not _fits(core, need) and v > 0:
+            num_decodes -= _displace(core, step, req, need, order)
+        if not _fits(core, need):
+            return
+        core.admit(req, step, num_new)
+
+
+def _fits(core: SchedulerCore, need: int) -> bool:
+    return core.memory.hbm.can_allocate(need) and len(core.running) < core.cfg.max_num_seqs
+
+
+def _displace(core: SchedulerCore, step: Step, req: Request, need: int, order: list[Request]) -> int:
+    """Preempt running requests from the tail of the VLT order until `req` fits, but only
+    if the victims can free enough (now, or when their copies are done) and their swaps
+    fit in B_xfer. Returns how many of the victims were decodes."""
+    victims = _victims(step, order)
+    memory, hbm = core.memory, core.memory.hbm
+    num_freeable = sum(len(r.hbm_blocks) for r in victims)
+    if hbm.num_free + hbm.num_deferred + num_freeable < need:
+        return 0  # even all of them would not make room: disturb nobody
+    num_decodes = 0
+    for victim in victims:
+        if _fits(core, need) or hbm.num_free + hbm.num_deferred >= need and len(core.running) < core.cfg.max_num_seqs:
+            break
+        num_copy = len(victim.hbm_blocks) - len(victim.dram_blocks)
+        if num_copy > step.moves_left - len(req.dram_blocks):
+            break  # its swap-out and req's swap-in would exceed B_xfer
+        num_decodes += victim.num_schedulable() == 1
+        core.preempt(victim, step)
+    return num_decodes
+
+
+def _victims(step: Step, order: list[Request]) -> list[Request]:
+    """Running requests with VLT < 0 not scheduled this step, longest-running first."""
+    return [
+        r
+        for r in reversed(order)
+        if r.status is Status.RUNNING and r.run_start < step.now and not step.is_scheduled(r)
+    ]

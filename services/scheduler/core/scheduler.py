@@ -1,0 +1,321 @@
+"""SchedulerCore: request lifecycle, the per-step policy dispatch, and Plan building.
+
+Pure: no I/O, no clock (`now` is a parameter), so the live service and the simulator
+drive the same code.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+
+from shared.protocol import AddRequest, NewRequestData, Plan, ScheduledRequest, StepResult, TokenOutput
+
+from .config import SchedulerConfig
+from .fcfs import admit_in_order, schedule_running
+from .invariants import check_invariants
+from .lvf import schedule_lvf
+from .memory import Memory
+from .queues import RequestHeap
+from .request import Request, Status, blocks_for
+from .step import Step
+from .vlt import lag_key
+
+
+class Overloaded(ValueError):
+    """The waiting queue is full (`max_waiting`); the request may be retried later."""
+
+
+class SchedulerCore:
+    def __init__(self, cfg: SchedulerConfig, num_hbm_blocks: int, num_dram_blocks: int, max_model_len: int):
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.memory = Memory(num_hbm_blocks, num_dram_blocks, cfg.block_size, cfg.mirrors)
+        self.requests: dict[str, Request] = {}  # live requests
+        self.running: dict[str, Request] = {}
+        # Paused requests, twice: by arrival (FCFS family) and by VLT lag key (LVF).
+        self.q_waiting = RequestHeap()
+        self.q_rotary = RequestHeap()
+        self.q_first = RequestHeap()  # no token emitted yet
+        self.q_emitted = RequestHeap()
+        self.pending_drops: list[str] = []
+        self.step_id = 0
+        self.last_step: Step | None = None
+        self.num_demand_blocks = 0
+        self._seq = itertools.count()
+        self.num_preemptions = 0
+        self.num_recomputes = 0
+        self.num_rotations_out = 0
+        self.num_rotations_in = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+
+    # ------------------------------------------------------------ requests in
+
+    def add_request(self, req: AddRequest, now: float) -> None:
+        self._validate(req)
+        slo = req.slo
+        r = Request(
+            request_id=req.request_id,
+            seq=next(self._seq),
+            prompt_token_ids=list(req.prompt_token_ids),
+            output_token_ids=list(req.output_token_ids),
+            params=req.params,
+            ttft_slo=slo.ttft_s if slo and slo.ttft_s is not None else self.cfg.ttft_slo,
+            tbt_slo=slo.tbt_s if slo and slo.tbt_s is not None else self.cfg.tbt_slo,
+            arrival=now,
+            max_model_len=self.max_model_len,
+            last_token_time=now,
+        )
+        self.requests[r.request_id] = r
+        self._track_demand(r)
+        self._enqueue(r)
+
+    def _validate(self, req: AddRequest) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request {req.request_id!r} is already running")
+        if not req.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        max_tokens = req.params.max_tokens
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if len(req.output_token_ids) >= max_tokens:
+            raise ValueError("the request has already generated max_tokens tokens")
+        total = len(req.prompt_token_ids) + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({max_tokens}) "
+                f"exceeds the context window of {self.max_model_len} tokens"
+            )
+        if blocks_for(total, self.cfg.block_size) > self.memory.hbm.num_blocks:
+            raise ValueError(f"prompt + max_tokens ({total} tokens) exceeds the whole KV-cache")
+        num_paused = len(self.requests) - len(self.running)
+        if self.cfg.max_waiting and num_paused >= self.cfg.max_waiting:
+            raise Overloaded(f"{num_paused} requests are waiting; try again later")
+
+    def abort_request(self, request_id: str, now: float) -> TokenOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, Status.ABORTED, "abort")
+        return TokenOutput(request_id, [], "abort")
+
+    # ------------------------------------------------------------ results in
+
+    def update(self, result: StepResult, now: float) -> list[TokenOutput]:
+        """Append sampled tokens. Tokens of requests that finished or were aborted since
+        their step was planned are ignored."""
+        outputs: list[TokenOutput] = []
+        for request_id, token in zip(result.request_ids, result.token_ids):
+            req = self.requests.get(request_id)
+            if req is None or req.num_pending == 0:
+                continue
+            req.num_pending -= 1
+            req.output_token_ids.append(token)
+            req.last_token_time = now
+            params = req.params
+            reason = req.finish_check(token in params.stop_token_ids and not params.ignore_eos)
+            if reason is not None:
+                self._finish(req, Status.FINISHED, reason)
+            elif req.status is not Status.RUNNING:
+                self._enqueue(req)  # its lag key moved
+            outputs.append(TokenOutput(request_id, [token], reason))
+        return outputs
+
+    def _finish(self, req: Request, status: Status, reason: str) -> None:
+        self._dequeue(req)
+        self.running.pop(req.request_id, None)
+        del self.requests[req.request_id]
+        self.memory.release_all(req)
+        self.num_demand_blocks -= req.demand_blocks
+        req.demand_blocks = 0
+        req.status = status
+        req.finish_reason = reason
+        if req.sent:
+            self.pending_drops.append(req.request_id)
+        if status is Status.FINISHED:
+            self.num_finished += 1
+        else:
+            self.num_aborted += 1
+
+    # ------------------------------------------------------------ the step
+
+    def schedule(self, now: float) -> Plan | None:
+        """Plan one step; None when there is nothing to compute, copy or drop."""
+        cfg, memory = self.cfg, self.memory
+        step = Step(
+            step_id=self.step_id,
+            now=now,
+            tokens_left=cfg.max_batched_tokens,
+            moves_left=cfg.xfer_budget,
+            seqs_left=cfg.max_num_seqs,
+            free_hbm_at_start=memory.hbm.num_free,
+            fits_all=self.num_demand_blocks <= memory.hbm.num_blocks,
+        )
+        if cfg.policy == "lvf" and not step.fits_all:
+            schedule_lvf(self, step)
+        else:
+            order = sorted(self.running.values(), key=_by_seq)
+            schedule_running(self, step, order)
+            if step.num_preempted == 0:
+                with _restoring(self._fcfs_queues()) as queues:
+                    admit_in_order(self, step, _fcfs_candidates(cfg.policy, queues))
+        if cfg.mirrors:
+            memory.mirror(self.running.values(), step)
+        for req in step.scheduled:
+            self._track_demand(req)
+        self.last_step = step
+        plan = self._build_plan(step) if step.scheduled or step.num_moved or self.pending_drops else None
+        memory.end_plan()
+        return plan
+
+    def _fcfs_queues(self) -> list[RequestHeap]:
+        if self.cfg.policy == "wf":
+            return [self.q_waiting, self.q_rotary]
+        return [self.q_rotary, self.q_waiting]
+
+    def _build_plan(self, step: Step) -> Plan:
+        new_requests: list[NewRequestData] = []
+        scheduled: list[ScheduledRequest] = []
+        for req in step.scheduled:
+            if not req.sent:
+                req.sent = True
+                req.table_reset = False
+                new_requests.append(
+                    NewRequestData(req.request_id, req.prompt_token_ids, req.params, list(req.output_token_ids))
+                )
+            scheduled.append(_scheduled_entry(req))
+        plan = Plan(
+            step_id=step.step_id,
+            new_requests=new_requests,
+            scheduled=scheduled,
+            swap_in=step.swap_in,
+            swap_out=step.swap_out,
+            eager=step.eager,
+            drop=self.pending_drops,
+        )
+        self.pending_drops = []
+        self.step_id += 1
+        return plan
+
+    # ------------------------------------------------------------ transitions used by policies
+
+    def admit(self, req: Request, step: Step, num_new_tokens: int) -> None:
+        """WAITING/ROTARY -> RUNNING and schedule its first tokens (capacity checked)."""
+        self._dequeue(req)
+        if req.status is Status.ROTARY:
+            self.memory.swap_in(req, step)
+            self.num_rotations_in += 1
+            step.num_swapped_in_reqs += 1
+        req.status = Status.RUNNING
+        req.run_start = step.now
+        self.running[req.request_id] = req
+        if not self.memory.grow(req, num_new_tokens):
+            raise AssertionError(f"admitted {req.request_id} without room")
+        step.schedule(req, num_new_tokens)
+
+    def preempt(self, req: Request, step: Step) -> None:
+        """RUNNING -> ROTARY by swap where the policy swaps and DRAM and B_xfer allow,
+        else -> WAITING by recompute. Never aborts."""
+        del self.running[req.request_id]
+        memory = self.memory
+        swappable = self.cfg.swaps and 0 < len(req.hbm_blocks) <= self.cfg.xfer_budget
+        if swappable and memory.can_swap_out(req, step.moves_left, self.running.values()):
+            memory.preempt_swap(req, step)
+            self.num_rotations_out += 1
+        else:
+            memory.preempt_recompute(req)
+            step.num_recomputed += 1
+            self.num_recomputes += 1
+        req.preempted_step = step.step_id
+        step.num_preempted += 1
+        self.num_preemptions += 1
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        self._dequeue(req)
+        (self.q_rotary if req.status is Status.ROTARY else self.q_waiting).push(req, req.seq)
+        (self.q_emitted if req.has_emitted else self.q_first).push(req, lag_key(req, self.cfg))
+
+    def _dequeue(self, req: Request) -> None:
+        for q in (self.q_waiting, self.q_rotary, self.q_first, self.q_emitted):
+            q.remove(req)
+
+    def _track_demand(self, req: Request) -> None:
+        num = blocks_for(req.num_known, self.cfg.block_size)
+        self.num_demand_blocks += num - req.demand_blocks
+        req.demand_blocks = num
+
+    # ------------------------------------------------------------ introspection
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self.pending_drops)
+
+    def stats(self) -> dict:
+        m = self.memory
+        return {
+            "num_waiting": len(self.q_waiting),
+            "num_running": len(self.running),
+            "num_rotary": len(self.q_rotary),
+            "num_hbm_blocks": m.hbm.num_blocks,
+            "num_free_hbm_blocks": m.hbm.num_free,
+            "num_dram_blocks": m.dram.num_blocks,
+            "num_free_dram_blocks": m.dram.num_free,
+            "num_demand_blocks": self.num_demand_blocks,
+            "num_preemptions": self.num_preemptions,
+            "num_recomputes": self.num_recomputes,
+            "num_rotations_out": self.num_rotations_out,
+            "num_rotations_in": self.num_rotations_in,
+            "num_blocks_swapped_in": m.num_swapped_in,
+            "num_blocks_swapped_out": m.num_swapped_out,
+            "num_blocks_mirrored": m.num_mirrored,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            "num_steps": self.step_id,
+        }
+
+    def check_invariants(self) -> None:
+        check_invariants(self)
+
+
+def _by_seq(req: Request) -> int:
+    return req.seq
+
+
+def _scheduled_entry(req: Request) -> ScheduledRequest:
+    entry = ScheduledRequest(
+        req.request_id, req.num_computed_tokens - req.step_new_tokens, req.step_new_tokens
+    )
+    if req.table_reset:
+        entry.block_table = list(req.hbm_blocks)
+        req.table_reset = False
+    elif len(req.hbm_blocks) > req.num_sent_blocks:
+        entry.new_block_ids = req.hbm_blocks[req.num_sent_blocks :]
+    req.num_sent_blocks = len(req.hbm_blocks)
+    return entry
+
+
+def _fcfs_candidates(policy: str, queues: list[RequestHeap]) -> Iterator[Request]:
+    """sf: rotary then waiting; wf: waiting then rotary; fcfs/lvf: both by arrival."""
+    streams = [q.iter_sorted() for q in queues]
+    if policy in ("sf", "wf"):
+        merged = itertools.chain(*streams)
+    else:
+        merged = heapq.merge(*streams, key=lambda e: e[0])
+    for _, req in merged:
+        yield req
+
+
+class _restoring:
+    """Context manager that puts back the heads a step looked at but did not take."""
+
+    def __init__(self, queues: list[RequestHeap]):
+        self.queues = queues
+
+    def __enter__(self) -> list[RequestHeap]:
+        return self.queues
+
+    def __exit__(self, *exc) -> None:
+        for q in self.queues:
+            q.restore()

@@ -1,0 +1,145 @@
+"""A worker stand-in for scheduler tests: it executes Plans on a symbolic KV-cache.
+
+Each HBM/DRAM block holds (request_id, logical block index, tokens filled), so the tests
+see whether a request's KV survives swaps, mirrors and recomputes intact, and whether a
+plan reuses a block it is still copying. Token ids come from a seeded RNG (some are stop
+tokens), like sampling would.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from services.scheduler.core import SchedulerConfig, SchedulerCore
+from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, TokenOutput
+
+STOP = 2
+
+
+@dataclass
+class WorkerRequest:
+    tokens: list[int]
+    table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+
+class SymbolicWorker:
+    def __init__(self, num_hbm_blocks: int, num_dram_blocks: int, block_size: int, seed: int = 0, p_stop: float = 0.0):
+        self.block_size = block_size
+        self.hbm: list[tuple | None] = [None] * num_hbm_blocks
+        self.dram: list[tuple | None] = [None] * num_dram_blocks
+        self.reqs: dict[str, WorkerRequest] = {}
+        self.rng = random.Random(seed)
+        self.p_stop = p_stop
+        self.num_plans = 0
+
+    def execute(self, plan: Plan) -> StepResult:
+        self.num_plans += 1
+        for rid in plan.drop:
+            self.reqs.pop(rid, None)
+        self._copy(plan)
+        for new in plan.new_requests:
+            assert new.request_id not in self.reqs, f"{new.request_id} sent twice"
+            self.reqs[new.request_id] = WorkerRequest(list(new.prompt_token_ids) + list(new.output_token_ids))
+        ids, toks = [], []
+        for s in plan.scheduled:
+            assert s.request_id not in plan.drop, f"{s.request_id} scheduled and dropped"
+            wr = self.reqs[s.request_id]
+            if s.block_table is not None:
+                wr.table = list(s.block_table)
+            wr.table += s.new_block_ids
+            if s.num_computed_tokens == 0:
+                wr.num_computed = 0
+            assert s.num_computed_tokens == wr.num_computed, (
+                f"{s.request_id}: plan computes from {s.num_computed_tokens}, worker has {wr.num_computed}"
+            )
+            end = s.num_computed_tokens + s.num_new_tokens
+            assert s.num_new_tokens > 0 and end <= len(wr.tokens), f"{s.request_id}: computes past its tokens"
+            self._check_kv(s.request_id, wr, s.num_computed_tokens)
+            self._write_kv(s.request_id, wr, s.num_computed_tokens, end)
+            wr.num_computed = end
+            if end == len(wr.tokens):
+                tok = STOP if self.rng.random() < self.p_stop else self.rng.randrange(3, 1000)
+                wr.tokens.append(tok)
+                ids.append(s.request_id)
+                toks.append(tok)
+        return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=toks)
+
+    def _copy(self, plan: Plan) -> None:
+        out_src = {h for h, _ in plan.swap_out} | {h for h, _ in plan.eager}
+        in_dst = {h for _, h in plan.swap_in}
+        assert not out_src & in_dst, f"step {plan.step_id}: swap-in into HBM blocks being copied out {out_src & in_dst}"
+        in_src = {d for d, _ in plan.swap_in}
+        out_dst = {d for _, d in plan.swap_out} | {d for _, d in plan.eager}
+        assert not in_src & out_dst, f"step {plan.step_id}: DRAM block read and written {in_src & out_dst}"
+        for h, d in plan.swap_out + plan.eager:
+            self.dram[d] = self.hbm[h]
+        for d, h in plan.swap_in:
+            self.hbm[h] = self.dram[d]
+
+    def _check_kv(self, rid: str, wr: WorkerRequest, num_computed: int) -> None:
+        bs = self.block_size
+        for i in range((num_computed + bs - 1) // bs):
+            want = min(bs, num_computed - i * bs)
+            got = self.hbm[wr.table[i]]
+            assert got is not None and got[:2] == (rid, i) and got[2] >= want, (
+                f"{rid}: KV block {i} (hbm {wr.table[i]}) holds {got}, expected ({rid!r}, {i}, >={want})"
+            )
+
+    def _write_kv(self, rid: str, wr: WorkerRequest, start: int, end: int) -> None:
+        bs = self.block_size
+        assert len(wr.table) * bs >= end, f"{rid}: block table too short for {end} tokens"
+        for i in range(start // bs, (end + bs - 1) // bs):
+            self.hbm[wr.table[i]] = (rid, i, min(bs, end - i * bs))
+
+
+def make_core(policy: str = "fcfs", num_hbm: int = 64, num_dram: int = 256, max_model_len: int = 2048, **kw):
+    cfg = SchedulerConfig(policy=policy, **kw)
+    return SchedulerCore(cfg, num_hbm, num_dram, max_model_len)
+
+
+def add(core: SchedulerCore, rid: str, prompt_len: int, max_tokens: int, now: float = 0.0, **params) -> None:
+    prompt = [10 + (hash(rid) + i) % 500 for i in range(prompt_len)]
+    core.add_request(AddRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, **params)), now)
+
+
+class Driver:
+    """schedule -> execute -> update, with invariants after every step."""
+
+    def __init__(self, core: SchedulerCore, seed: int = 0, p_stop: float = 0.0, dt: float = 0.01):
+        self.core = core
+        m = core.memory
+        self.worker = SymbolicWorker(m.hbm.num_blocks, m.dram.num_blocks, core.cfg.block_size, seed, p_stop)
+        self.now = 0.0
+        self.dt = dt
+        self.outputs: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+        self.plans: list[Plan] = []
+
+    def step(self) -> Plan | None:
+        plan = self.core.schedule(self.now)
+        self.core.check_invariants()
+        if plan is None:
+            self.now += self.dt
+            return None
+        self.plans.append(plan)
+        result = self.worker.execute(plan)
+        self.now += self.dt
+        self.record(self.core.update(result, self.now))
+        self.core.check_invariants()
+        return plan
+
+    def record(self, outs: list[TokenOutput]) -> None:
+        for o in outs:
+            self.outputs.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finish_reason:
+                assert o.request_id not in self.finish, f"{o.request_id} finished twice"
+                self.finish[o.request_id] = o.finish_reason
+
+    def run(self, max_steps: int = 10_000) -> int:
+        for n in range(max_steps):
+            if not self.core.has_unfinished():
+                return n
+            self.step()
+        raise AssertionError(f"not finished after {max_steps} steps: {self.core.stats()}")
