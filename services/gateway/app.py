@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -57,14 +58,15 @@ class GatewayState:
 
 
 STATE = web.AppKey("state", GatewayState)
+OPENAPI = web.AppKey("openapi", bytes)  # the document, encoded once
 
 
 @dataclass(frozen=True)
 class Endpoint:
     prefix: str
     request_type: type
-    prompt_ids: object  # (request, tokenizer) -> list[int]
-    format: type
+    prompt_ids: Callable[[params.Request, ModelTokenizer], list[int]]
+    format: type[ChatFormat] | type[CompletionFormat]
 
 
 CHAT = Endpoint("chatcmpl", ChatCompletionRequest, params.chat_prompt_ids, ChatFormat)
@@ -96,17 +98,21 @@ async def generation(request: web.Request, ep: Endpoint) -> web.StreamResponse:
 
 
 async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, request_id: str):
+    timing = Timing()  # arrival: latencies count the gateway's own work too
     req = decode_request(await read_body(request), ep.request_type)
     params.check_supported(req)
     model = _check_model(req.model, state)
     link = state.client.pick()
     prompt_ids = ep.prompt_ids(req, state.tokenizer)
-    prep = params.prepare(req, prompt_ids, state.max_model_len(link.stats.max_model_len), state.tokenizer.stop_token_ids)
+    max_len = state.max_model_len(link.stats.max_model_len)
+    prep = params.prepare(req, prompt_ids, max_len, state.tokenizer.stop_token_ids)
     add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)
     text = TextStream(state.tokenizer.decode, prep.stop, prompt_ids)
-    fmt, timing = ep.format(request_id, model), Timing()
+    fmt = ep.format(request_id, model)
     handle = state.client.submit(add, link)
-    log.info("request_accepted", num_prompt_tokens=len(prompt_ids), max_tokens=prep.params.max_tokens, stream=prep.stream)
+    log.info(
+        "request_accepted", num_prompt_tokens=len(prompt_ids), max_tokens=prep.params.max_tokens, stream=prep.stream
+    )
     try:
         async with aclosing(generate(state.client, handle, text, timing)) as pieces:
             if prep.stream:
@@ -132,7 +138,8 @@ def _finished(state: GatewayState, timing: Timing, num_prompt: int) -> None:
 def _check_model(name: str | None, state: GatewayState) -> str:
     if name is None or name in state.served_names():
         return name or state.config.name
-    raise ApiError(404, f"model {name!r} does not exist (served: {state.config.name})", param="model", code="model_not_found")
+    message = f"model {name!r} does not exist (served: {state.config.name})"
+    raise ApiError(404, message, param="model", code="model_not_found")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -149,7 +156,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     lens = [s.max_model_len for s in state.client.live_stats()]
-    card = ModelCard(id=state.config.name, created=state.started, max_model_len=state.max_model_len(min(lens, default=None)))
+    max_len = state.max_model_len(min(lens, default=None))
+    card = ModelCard(id=state.config.name, created=state.started, max_model_len=max_len)
     return _json(ModelList(data=[card]))
 
 
@@ -158,7 +166,7 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     stats = state.client.live_stats()
     body = {"status": "ok" if stats else "unavailable", "schedulers": [_fields(s) for s in stats]}
-    return web.Response(body=encode_json(body), status=200 if stats else 503, content_type="application/json")
+    return _json(body, 200 if stats else 503)
 
 
 def _fields(struct) -> dict:
@@ -173,9 +181,6 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     return web.Response(body=request.app[OPENAPI], content_type="application/json")
-
-
-OPENAPI = web.AppKey("openapi", bytes)
 
 
 def _json(obj, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -197,7 +202,8 @@ async def errors_and_metrics(request: web.Request, handler) -> web.StreamRespons
     except ApiError as e:
         resp = error_response(e)
     except web.HTTPException as e:  # router: 404 no route, 405 wrong method
-        resp = error_response(ApiError(e.status, e.reason, "invalid_request_error" if e.status < 500 else "server_error"))
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        resp = error_response(ApiError(e.status, e.reason, kind))
     except Exception:
         log.exception("handler_failed", path=request.path)
         resp = error_response(internal("internal error"))

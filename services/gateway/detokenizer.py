@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._ids[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) and not final:
             return ""  # the new ids decode to nothing yet
-        if False:
+        if full_text.endswith(_REPLACEMENT) and not final:
             return ""  # a character still incomplete; wait for its next byte
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return full_text[len(prefix_text) :]

@@ -43,7 +43,7 @@ def _generation_path(summary: str, request: str, whole: str, chunk: str) -> dict
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
             "responses": {
                 "200": {
-                    "description": f"`{whole}`, or with `stream: true` server-sent events of `{chunk}` ending in `[DONE]`",
+                    "description": f"`{whole}`; with `stream: true`, server-sent `{chunk}` events, then `[DONE]`",
                     "content": {
                         "application/json": {"schema": _ref(whole)},
                         "text/event-stream": {"schema": {"type": "string"}},
@@ -56,18 +56,26 @@ def _generation_path(summary: str, request: str, whole: str, chunk: str) -> dict
 
 
 def _get_path(summary: str, schema: dict, media: str = "application/json") -> dict:
-    return {"get": {"summary": summary, "responses": {"200": {"description": summary, "content": {media: {"schema": schema}}}}}}
+    ok = {"description": summary, "content": {media: {"schema": schema}}}
+    return {"get": {"summary": summary, "responses": {"200": ok}}}
 
 
 def openapi_document(model_name: str) -> dict:
-    types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorResponse]
+    requests = [ChatCompletionRequest, CompletionRequest]
+    types = [*requests, ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorResponse]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
     health = {"type": "object", "properties": {"status": {"type": "string"}, "schedulers": {"type": "array"}}}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "SuperInfer gateway", "version": "1", "description": f"OpenAI-compatible API serving {model_name}"},
+        "info": {
+            "title": "SuperInfer gateway",
+            "version": "1",
+            "description": f"OpenAI-compatible API serving {model_name}",
+        },
         "paths": {
-            "/v1/chat/completions": _generation_path("Chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
+            "/v1/chat/completions": _generation_path(
+                "Chat completion", "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"
+            ),
             "/v1/completions": _generation_path("Text completion", "CompletionRequest", "Completion", "Completion"),
             "/v1/models": _get_path("Served models", _ref("ModelList")),
             "/health": _get_path("Scheduler load when ready (503 otherwise)", health),

@@ -54,7 +54,8 @@ def _text_content(m: ChatMessage, i: int) -> str:
     parts = []
     for j, part in enumerate(m.content):
         if part.type != "text" or part.text is None:
-            raise bad_request(f"content part type {part.type!r} is not supported (text is)", f"messages[{i}].content[{j}]")
+            message = f"content part type {part.type!r} is not supported (text is)"
+            raise bad_request(message, f"messages[{i}].content[{j}]")
         parts.append(part.text)
     return "".join(parts)
 

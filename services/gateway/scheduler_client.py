@@ -36,6 +36,7 @@ from shared.protocol import (
 )
 
 HEARTBEAT_S = 1.0
+RETRY_HELLO_S = 0.1  # until a hello gets through (the connection is still being made)
 STALE_AFTER_S = 5.0  # no message for this long: the scheduler is considered gone
 MAX_RECV_PER_TICK = 256
 
@@ -64,6 +65,7 @@ class SchedulerLink:
         self.stats: SchedulerStats | None = None
         self.last_seen = float("-inf")
         self.request_ids: set[str] = set()
+        self.next_hello = 0.0
 
     def is_live(self, now: float) -> bool:
         return self.stats is not None and now - self.last_seen < STALE_AFTER_S
@@ -216,14 +218,16 @@ class SchedulerClient:
         while True:
             now = time.monotonic()
             for link in self.links:
-                self._send_hello(link)
+                if now >= link.next_hello:
+                    self._send_hello(link, now)
                 if link.request_ids and now - link.last_seen >= STALE_AFTER_S:
                     self._fail_all(link, f"scheduler {link.addr} stopped responding")
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(RETRY_HELLO_S)
 
-    def _send_hello(self, link: SchedulerLink) -> None:
-        # Not connected (yet) is no error: the next beat tries again.
-        send_now(link.socket, encode(GatewayHello(gateway_id=self.gateway_id)))
+    def _send_hello(self, link: SchedulerLink, now: float) -> None:
+        """Not connected (yet) is no error: it is tried again shortly."""
+        sent = send_now(link.socket, encode(GatewayHello(gateway_id=self.gateway_id)))
+        link.next_hello = now + (HEARTBEAT_S if sent else RETRY_HELLO_S)
 
     def _fail_all(self, link: SchedulerLink, message: str) -> None:
         log.error("scheduler_lost", scheduler=link.addr, num_requests=len(link.request_ids))

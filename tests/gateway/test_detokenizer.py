@@ -33,7 +33,8 @@ def test_emoji_split_across_tokens_is_never_emitted_broken(tokenizer):
 
 
 @pytest.mark.parametrize(
-    "text", ["日本語のテキスト", "naïve café", "  spaced   out  ", "code:\n\tx = [1, 2]\n", "🤖👨‍👩‍👧🇫🇷"]
+    "text",
+    ["日本語のテキスト", "naïve café", "  spaced   out  ", "code:\n\tx = [1, 2]\n", "🤖👨‍👩‍👧🇫🇷"],
 )
 def test_pieces_concatenate_to_full_decode(tokenizer, text):
     ids = tokenizer.encode(text)

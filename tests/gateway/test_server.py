@@ -1,0 +1,129 @@
+"""The gateway process on its own (no scheduler running): what it answers while it has no
+scheduler, API keys, and a prompt, clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from services.gateway.server import serve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_listening(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url + "/health"):
+                    return
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.1)
+    raise TimeoutError(url)
+
+
+@pytest.fixture(scope="module")
+def lone_gateway(tmp_path_factory):
+    """An in-process gateway whose scheduler address has nobody behind it; yields
+    `call(method, path, json=None, headers=None) -> (status, headers, body)`."""
+    port, addr = free_port(), f"ipc://{tmp_path_factory.mktemp('gw')}/nobody.sock"
+    url = f"http://127.0.0.1:{port}"
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    task = loop.create_task(serve("127.0.0.1", port, [addr], None, api_key="sekret", stop=stop))
+    loop.run_until_complete(wait_listening(url))
+
+    def call(method, path, body=None, headers=None):
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                async with s.request(method, url + path, json=body, headers=headers) as r:
+                    return r.status, dict(r.headers), await r.read()
+
+        return loop.run_until_complete(go())
+
+    yield call
+    stop.set()
+    t0 = time.monotonic()
+    loop.run_until_complete(task)
+    assert time.monotonic() - t0 < 3.0
+    loop.close()
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+def test_no_scheduler_is_503_with_retry_after(lone_gateway):
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    status, headers, raw = lone_gateway("POST", "/v1/chat/completions", body, AUTH)
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert json.loads(raw)["error"]["type"] == "service_unavailable"
+    status, _, raw = lone_gateway("GET", "/health")
+    assert status == 503 and json.loads(raw)["status"] == "unavailable"
+
+
+def test_validation_comes_before_scheduler_availability(lone_gateway):
+    status, _, raw = lone_gateway("POST", "/v1/completions", {"prompt": "x", "top_p": 9}, AUTH)
+    assert status == 400 and json.loads(raw)["error"]["param"] == "top_p"
+
+
+@pytest.mark.parametrize("headers", [None, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}])
+def test_api_key_is_required_on_the_api(lone_gateway, headers):
+    status, _, raw = lone_gateway("GET", "/v1/models", headers=headers)
+    assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
+
+
+def test_models_with_key(lone_gateway):
+    status, _, raw = lone_gateway("GET", "/v1/models", headers=AUTH)
+    assert status == 200 and json.loads(raw)["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+def test_openapi_and_metrics_are_served(lone_gateway):
+    status, _, raw = lone_gateway("GET", "/openapi.json")
+    assert status == 200 and "ChatCompletionRequest" in json.loads(raw)["components"]["schemas"]
+    status, _, raw = lone_gateway("GET", "/metrics")
+    text = raw.decode()
+    assert status == 200
+    assert 'superinfer:http_requests_total{route="/openapi.json",status="200"}' in text
+    assert "superinfer:num_schedulers 0.0" in text
+
+
+def test_wrong_method_and_oversized_body_are_openai_errors(lone_gateway):
+    status, _, raw = lone_gateway("GET", "/v1/completions", headers=AUTH)
+    assert status == 405 and "error" in json.loads(raw)
+    status, _, raw = lone_gateway("POST", "/v1/completions", {"prompt": "x" * (5 << 20)}, AUTH)
+    assert status == 413 and json.loads(raw)["error"]["code"] == "request_too_large"
+
+
+def test_sigterm_stops_the_process_quickly(tmp_path):
+    port = free_port()
+    code = f"from services.gateway.server import run; run('127.0.0.1', {port}, ['ipc://{tmp_path}/x.sock'], None)"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stderr=subprocess.PIPE)
+    try:
+        asyncio.run(wait_listening(f"http://127.0.0.1:{port}"))
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == 0
+        assert time.monotonic() - t0 < 3.0
+        assert b"gateway_stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
