@@ -65,6 +65,8 @@ class SchedulerService:
 
     def _socket(self, kind: int, addr: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(kind)
+        if kind == zmq.ROUTER:  # a gateway that reconnects takes its routing id back at once
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.SNDHWM, config.ZMQ_HWM)
         sock.setsockopt(zmq.RCVHWM, config.ZMQ_HWM)
         sock.setsockopt(zmq.LINGER, config.ZMQ_LINGER_MS)

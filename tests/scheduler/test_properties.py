@@ -115,7 +115,7 @@ def play(policy: str, c: dict, reqs: list, script: list, seed: int) -> None:
             d.now += op[1]
     while todo:
         arrive()
-    d.run(max_steps=20_000)
+    d.run(max_steps=4000)
     assert set(d.finish) == set(added)
     for rid, reason in d.finish.items():
         n = len(d.outputs.get(rid, []))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from services.worker.model import LlamaModel
 from services.worker.runner import ModelRunner, allocate_kv_pool
 from services.worker.weights import load_weights
 from shared.modelfile import ModelConfig, default_model_path, read_model_config
-from shared.protocol import NewRequestData, SamplingParams
+from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
 
 BLOCK_SIZE = 16
 
@@ -86,3 +87,25 @@ def greedy(rid: str, prompt: list[int], **params) -> NewRequestData:
 
 def blocks_for(num_tokens: int) -> int:
     return -(-num_tokens // BLOCK_SIZE)
+
+
+def generate_together(runner, requests: list[NewRequestData], num_new: int, seed: int = 0) -> list[list[int]]:
+    """New tokens of all requests served in one batch: one step prefills them all, then
+    every step decodes them all. Blocks come from a shuffled free list and are appended as
+    each request grows, so block tables are scattered and grow through `new_block_ids`."""
+    free = list(range(runner.kv_pool.shape[0]))
+    random.Random(seed).shuffle(free)
+    rids = [r.request_id for r in requests]
+    runner.add_requests(requests)
+    tables = {r.request_id: [free.pop() for _ in range(blocks_for(len(r.prompt_token_ids)))] for r in requests}
+    first = [ScheduledRequest(r.request_id, 0, len(r.prompt_token_ids), block_table=tables[r.request_id]) for r in requests]
+    assert runner.execute(first)[0] == rids
+    for _ in range(num_new - 1):
+        step = []
+        for rid in rids:
+            n = len(runner.token_ids(rid))  # the last sampled token is not in the cache yet
+            new = [free.pop()] if blocks_for(n) > len(tables[rid]) else []
+            tables[rid] += new
+            step.append(ScheduledRequest(rid, n - 1, 1, new_block_ids=new))
+        assert runner.execute(step)[0] == rids
+    return [runner.token_ids(r.request_id)[len(r.prompt_token_ids) :] for r in requests]

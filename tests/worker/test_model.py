@@ -2,38 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from shared.protocol import ScheduledRequest
-from tests.worker.conftest import BLOCK_SIZE, blocks_for, greedy
+from tests.worker.conftest import BLOCK_SIZE, blocks_for, generate_together, greedy
 
 NUM_NEW_TOKENS = 64
-
-
-def generate_together(runner, prompts: list[list[int]], num_new: int, seed: int = 0) -> list[list[int]]:
-    """Greedy tokens of all prompts served in one batch: one step prefills them all, then
-    every step decodes them all. Blocks come from a shuffled free list and are appended as
-    each request grows, so block tables are scattered and grow through `new_block_ids`."""
-    free = list(range(runner.kv_pool.shape[0]))
-    random.Random(seed).shuffle(free)
-    rids = [f"r{i}" for i in range(len(prompts))]
-    runner.add_requests([greedy(rid, p) for rid, p in zip(rids, prompts)])
-    tables = {rid: [free.pop() for _ in range(blocks_for(len(p)))] for rid, p in zip(rids, prompts)}
-    first = [ScheduledRequest(rid, 0, len(p), block_table=tables[rid]) for rid, p in zip(rids, prompts)]
-    ids, toks = runner.execute(first)
-    assert ids == rids
-    for _ in range(num_new - 1):
-        step = []
-        for rid in rids:
-            n = len(runner.token_ids(rid))  # the last sampled token is not in the cache yet
-            new = [free.pop()] if blocks_for(n) > len(tables[rid]) else []
-            tables[rid] += new
-            step.append(ScheduledRequest(rid, n - 1, 1, new_block_ids=new))
-        assert runner.execute(step)[0] == rids
-    return [runner.token_ids(rid)[len(p) :] for rid, p in zip(rids, prompts)]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +16,7 @@ def batched_outputs(model, cfg, chat_prompts):
 
     pool = allocate_kv_pool(cfg, 128, BLOCK_SIZE, torch.float32, "cpu")
     runner = ModelRunner(model, cfg, pool, BLOCK_SIZE, "cpu")
-    return generate_together(runner, chat_prompts, NUM_NEW_TOKENS)
+    return generate_together(runner, [greedy(f"r{i}", p) for i, p in enumerate(chat_prompts)], NUM_NEW_TOKENS)
 
 
 @pytest.mark.slow
@@ -53,6 +27,9 @@ def test_batched_greedy_equals_transformers_generate(batched_outputs, hf_model, 
         with torch.inference_mode():
             out = hf_model.generate(
                 torch.tensor([prompt]),
+                # Explicit: the prompt holds the end-of-turn id, which is also the pad id, and
+                # generate would otherwise mask those prompt tokens out.
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=NUM_NEW_TOKENS,
                 do_sample=False,
                 eos_token_id=None,  # run the full 64 tokens, as our runner does

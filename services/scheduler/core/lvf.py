@@ -84,9 +84,14 @@ def _fits(core: SchedulerCore, need: int) -> bool:
 def _displace(core: SchedulerCore, step: Step, req: Request, need: int, order: list[Request]) -> int:
     """Preempt running requests from the tail of the VLT order until `req` fits, but only
     if the victims can free enough (now, or when their copies are done) and their swaps
-    fit in B_xfer. Returns how many of the victims were decodes."""
+    fit in B_xfer. Returns how many of the victims were decodes.
+
+    A victim that cannot be swapped (DRAM full) is recomputed only if it has sampled a
+    token since it last started running: every admission then yields a token, so
+    recompute cannot livelock (a long prompt would otherwise be evicted mid-prefill
+    again and again)."""
     victims = _victims(step, order)
-    memory, hbm = core.memory, core.memory.hbm
+    hbm = core.memory.hbm
     num_freeable = sum(len(r.hbm_blocks) for r in victims)
     if hbm.num_free + hbm.num_deferred + num_freeable < need:
         return 0  # even all of them would not make room: disturb nobody
@@ -97,8 +102,9 @@ def _displace(core: SchedulerCore, step: Step, req: Request, need: int, order: l
         num_copy = len(victim.hbm_blocks) - len(victim.dram_blocks)
         if num_copy > step.moves_left - len(req.dram_blocks):
             break  # its swap-out and req's swap-in would exceed B_xfer
-        num_decodes += victim.num_schedulable() == 1
-        core.preempt(victim, step)
+        is_decode = victim.num_schedulable() == 1
+        if core.preempt(victim, step, recompute_ok=victim.sampled_since_run_start()):
+            num_decodes += is_decode
     return num_decodes
 
 

@@ -51,12 +51,12 @@ class Memory:
         req.num_computed_tokens = 0
         req.status = Status.WAITING
 
-    def can_swap_out(self, req: Request, moves_left: int, running: Iterable[Request]) -> bool:
+    def can_swap_out(self, req: Request, step: Step, running: Iterable[Request]) -> bool:
         num_copy = len(req.hbm_blocks) - len(req.dram_blocks)
-        if num_copy > moves_left:
+        if num_copy > step.moves_left:
             return False
         if not self.dram.can_allocate(num_copy):
-            self.reclaim_mirrors(num_copy, running, keep=req)
+            self.reclaim_mirrors(num_copy, running, step)
         return self.dram.can_allocate(num_copy)
 
     def preempt_swap(self, req: Request, step: Step) -> None:
@@ -76,13 +76,14 @@ class Memory:
         req.table_reset = True
         req.status = Status.ROTARY
 
-    def reclaim_mirrors(self, num_blocks: int, running: Iterable[Request], keep: Request) -> None:
+    def reclaim_mirrors(self, num_blocks: int, running: Iterable[Request], step: Step) -> None:
         """Free DRAM mirrors of running requests (they are only copies) until
-        `num_blocks` DRAM blocks are free."""
+        `num_blocks` DRAM blocks are free. Mirrors of a request swapped in this step are
+        kept: this plan reads them."""
         for req in running:
             if self.dram.num_free >= num_blocks:
                 return
-            if req is keep or not req.dram_blocks:
+            if not req.dram_blocks or req.swap_in_step == step.step_id:
                 continue
             num_drop = min(len(req.dram_blocks), num_blocks - self.dram.num_free)
             self.dram.free(req.dram_blocks[-num_drop:])
@@ -109,16 +110,20 @@ class Memory:
         req.hbm_blocks = dst
         req.table_reset = True
         req.status = Status.RUNNING
+        req.swap_in_step = step.step_id
 
     # ------------------------------------------------------------ eager rotation
 
     def mirror(self, running: Iterable[Request], step: Step) -> None:
         """Copy synced, unmirrored HBM blocks of running requests to DRAM within the step's
         spare copy budget. A block counts as synced only if a plan before this one filled
-        it (this plan's compute runs after its copies)."""
+        it (this plan's compute runs after its copies); a request swapped in by this plan
+        is skipped (its HBM blocks are being written)."""
         for req in running:
             if step.moves_left <= 0 or self.dram.num_free == 0:
                 return
+            if req.swap_in_step == step.step_id:
+                continue
             done = req.num_computed_tokens
             if step.is_scheduled(req):
                 done -= req.step_new_tokens

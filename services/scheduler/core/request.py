@@ -50,12 +50,14 @@ class Request:
     dram_blocks: list[int] = field(default_factory=list)
     last_token_time: float = 0.0
     run_start: float = 0.0
+    num_outputs_at_run_start: int = 0
     sent: bool = False  # the worker has seen it in Plan.new_requests
     num_sent_blocks: int = 0  # prefix of hbm_blocks the worker's block table holds
     table_reset: bool = False  # next ScheduledRequest carries the whole block table
     scheduled_step: int = -1  # last step that computed tokens for it
     step_new_tokens: int = 0  # tokens planned in `scheduled_step`
     preempted_step: int = -1
+    swap_in_step: int = -1  # its DRAM blocks are read and HBM blocks written in that step
     demand_blocks: int = 0  # blocks_for(num_known), summed by the core
     finish_reason: str | None = None
 
@@ -75,6 +77,9 @@ class Request:
     @property
     def is_live(self) -> bool:
         return self.status in LIVE
+
+    def sampled_since_run_start(self) -> bool:
+        return len(self.output_token_ids) > self.num_outputs_at_run_start
 
     def wants_more(self) -> bool:
         num_out = len(self.output_token_ids) + self.num_pending

@@ -210,28 +210,34 @@ class SchedulerCore:
             step.num_swapped_in_reqs += 1
         req.status = Status.RUNNING
         req.run_start = step.now
+        req.num_outputs_at_run_start = len(req.output_token_ids)
         self.running[req.request_id] = req
         if not self.memory.grow(req, num_new_tokens):
             raise AssertionError(f"admitted {req.request_id} without room")
         step.schedule(req, num_new_tokens)
 
-    def preempt(self, req: Request, step: Step) -> None:
+    def preempt(self, req: Request, step: Step, recompute_ok: bool = True) -> bool:
         """RUNNING -> ROTARY by swap where the policy swaps and DRAM and B_xfer allow,
-        else -> WAITING by recompute. Never aborts."""
-        del self.running[req.request_id]
+        else -> WAITING by recompute if `recompute_ok`. Never aborts. Returns whether
+        `req` was preempted."""
         memory = self.memory
         swappable = self.cfg.swaps and 0 < len(req.hbm_blocks) <= self.cfg.xfer_budget
-        if swappable and memory.can_swap_out(req, step.moves_left, self.running.values()):
+        others = (r for r in self.running.values() if r is not req)
+        if swappable and memory.can_swap_out(req, step, others):
             memory.preempt_swap(req, step)
             self.num_rotations_out += 1
-        else:
+        elif recompute_ok:
             memory.preempt_recompute(req)
             step.num_recomputed += 1
             self.num_recomputes += 1
+        else:
+            return False
+        del self.running[req.request_id]
         req.preempted_step = step.step_id
         step.num_preempted += 1
         self.num_preemptions += 1
         self._enqueue(req)
+        return True
 
     def _enqueue(self, req: Request) -> None:
         self._dequeue(req)
