@@ -28,6 +28,7 @@ Ordering rules the engine keeps across everything in flight:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -192,7 +193,7 @@ def block_rows(pool: torch.Tensor) -> torch.Tensor:
     """The pool as [num_blocks, row] of the widest element that divides a block (16 bytes):
     fewer, wider elements make index copies run at memcpy speed, and a block of a small model
     stays under torch's parallel grain, so one copy runs on its own thread without handoffs."""
-    rows = pool.view(pool.shape[0], -1)
+    rows = pool.view(pool.shape[0], math.prod(pool.shape[1:]))
     if (rows.shape[1] * rows.element_size()) % 16 == 0:
         return rows.view(torch.uint8).view(torch.complex128)
     return rows
@@ -233,6 +234,7 @@ class CpuBackend:
     def __init__(self, pools: KVPools, mode: str):
         self.pools = pools
         self.copy = {"naive": copy_segments, "merged": copy_blocks}.get(mode) or BatchedCopier(pools)
+        self.copy_impl = {"naive": "per_segment", "merged": "per_block"}.get(mode, "index")
         self._queues = {IN: ThreadPoolExecutor(1, thread_name_prefix="kv-in")}
         self._queues[OUT] = ThreadPoolExecutor(1, thread_name_prefix="kv-out") if mode == "duplex" else self._queues[IN]
 
@@ -256,7 +258,8 @@ class CpuBackend:
 
 
 class TransferEngine:
-    """Submits each step's block copies to a backend and keeps the ordering rules above."""
+    """Submits each step's block copies to a backend and keeps the ordering rules above.
+    One thread submits (the worker loop); completions may be awaited from any thread."""
 
     def __init__(self, pools: KVPools, mode: str = DEFAULT_MODE, copy_impl: str = "auto"):
         if mode not in MODES:
@@ -271,7 +274,7 @@ class TransferEngine:
             self._backend = CpuBackend(pools, mode)
         else:
             raise ValueError(f"copy implementation {copy_impl!r} needs a CUDA device")
-        self.copy_impl = getattr(self._backend, "copy_impl", "index")
+        self.copy_impl: str = self._backend.copy_impl
         self._live: list[Transfer] = []
         self._closed = False
 
@@ -313,10 +316,12 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
-        for t in self._live:
-            t.wait()
-        self._live.clear()
-        self._backend.close()
+        try:
+            for t in self._live:
+                t.wait()
+        finally:
+            self._live.clear()
+            self._backend.close()
 
     def __enter__(self) -> TransferEngine:
         return self

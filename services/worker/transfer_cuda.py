@@ -12,11 +12,12 @@ The host pool is page-locked (see kv_pool), so every copy is a DMA that the host
 from __future__ import annotations
 
 import ctypes
+import warnings
 
 import torch
 
 from services.worker.kv_pool import KVPools
-from services.worker.transfer import DONE, IN, Done, Pairs, copy_blocks, copy_segments
+from services.worker.transfer import DONE, IN, OUT, Done, Pairs, copy_blocks, copy_segments
 
 COPY_IMPLS = ("auto", "memcpy_batch", "per_block", "cupy")
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
@@ -36,7 +37,7 @@ class EventDone(Done):
         return self.event.query()
 
     def fence(self, stream: torch.cuda.Stream | None = None) -> None:
-        (stream or torch.cuda.current_stream()).wait_event(self.event)
+        (stream if stream is not None else torch.cuda.current_stream()).wait_event(self.event)
 
 
 # ---------------------------------------------------------------- cudaMemcpyBatchAsync
@@ -183,10 +184,14 @@ class CudaBackend:
         self.device = pools.device
         self.mode = mode
         self._batch = MemcpyBatch.load() if copy_impl in ("auto", "memcpy_batch") else None
-        self.copy_impl = pick_copy_impl(copy_impl, self._batch) if mode in ("batched", "duplex") else mode
+        self._may_fall_back = copy_impl == "auto"
+        if mode in ("batched", "duplex"):
+            self.copy_impl = pick_copy_impl(copy_impl, self._batch)
+        else:
+            self.copy_impl = "per_segment" if mode == "naive" else "per_block"
         self._cupy = CupyCopier(pools.spec.block_bytes) if self.copy_impl == "cupy" else None
         in_stream = torch.cuda.Stream(self.device)
-        self._streams = {IN: in_stream, "out": torch.cuda.Stream(self.device) if mode == "duplex" else in_stream}
+        self._streams = {IN: in_stream, OUT: torch.cuda.Stream(self.device) if mode == "duplex" else in_stream}
 
     def start(self, direction: str, pairs: Pairs, deps: list[Done], after_compute: bool = True) -> Done:
         if not pairs:
@@ -206,16 +211,24 @@ class CudaBackend:
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, pairs: Pairs, stream: torch.cuda.Stream) -> object:
         impl = self.copy_impl
-        if impl == "naive":
+        if impl == "per_segment":
             return copy_segments(src, dst, pairs, non_blocking=True)
-        if impl in ("merged", "per_block"):
+        if impl == "per_block":
             return copy_blocks(src, dst, pairs, non_blocking=True)
         if impl == "cupy":
             return self._cupy(src, dst, pairs, stream)
         srcs = block_addresses(src, [s for s, _ in pairs])
         dsts = block_addresses(dst, [d for _, d in pairs])
         sizes = torch.full_like(srcs, self.pools.spec.block_bytes)
-        self._batch(dsts, srcs, sizes, stream)
+        try:
+            self._batch(dsts, srcs, sizes, stream)
+        except RuntimeError as e:
+            if not self._may_fall_back:
+                raise
+            # Redoing every copy is safe: each is a whole block from an unchanged source.
+            warnings.warn(f"{e}; copying one block at a time from now on", RuntimeWarning, stacklevel=2)
+            self.copy_impl = "per_block"
+            return copy_blocks(src, dst, pairs, non_blocking=True)
         return srcs, dsts, sizes
 
     def close(self) -> None:

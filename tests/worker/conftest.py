@@ -27,6 +27,16 @@ CHATS = [
 ]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: when the cores are shared (CI runners, parallel jobs), an OpenMP
+    team waiting on a descheduled thread turns a 0.3 ms small-batch matmul into ~20 ms."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return default_model_path()

@@ -179,6 +179,19 @@ def test_empty_submit_is_done_at_once(device):
     engine.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_pool_with_no_blocks_is_fine(device, mode):
+    """--dram-gb 0: no rotation at all, but the engine still starts and runs empty steps."""
+    pools = make_pools(SMALL, 4, 0, device)
+    engine = TransferEngine(pools, mode)
+    engine.submit().wait()
+    with pytest.raises(ValueError, match="out of range"):
+        engine.submit(swap_out=[(0, 0)])
+    engine.close()
+    pools.close()
+
+
 def test_bad_plans_are_refused():
     engine = TransferEngine(make_pools(SMALL, 4, 8, "cpu"))
     with pytest.raises(ValueError, match="out of range"):
@@ -230,7 +243,8 @@ def test_duplex_runs_the_directions_at_once_and_the_rest_in_series(mode):
     direction is free to go in duplex mode only."""
     pools = make_pools(SMALL, 8, 8, "cpu")
     engine = TransferEngine(pools, mode)
-    blocker, _, fout = pending_transfer(in_pairs=[], out_pairs=[(7, 0)])
+    blocker, fin, fout = pending_transfer(in_pairs=[], out_pairs=[(7, 0)])
+    fin.set_result(None)
     engine._live.append(blocker)
     t = engine.submit(swap_in=[(0, 1)], swap_out=[(2, 3)])
     if mode == "duplex":
@@ -247,7 +261,8 @@ def test_duplex_runs_the_directions_at_once_and_the_rest_in_series(mode):
 def test_in_flight_swap_out_source_cannot_be_swapped_into(device):
     pools = make_pools(SMALL, 8, 8, device)
     engine = TransferEngine(pools)
-    blocker, _, fout = pending_transfer(in_pairs=[], out_pairs=[(4, 6)])
+    blocker, fin, fout = pending_transfer(in_pairs=[], out_pairs=[(4, 6)])
+    fin.set_result(None)
     engine._live.append(blocker)
     with pytest.raises(BlockConflict):
         engine.submit(swap_in=[(1, 4)])

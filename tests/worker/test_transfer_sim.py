@@ -44,8 +44,9 @@ class Sim:
         shape = (max_blocks, *self.spec.block_shape)
         self.reqs = [Req(random_bits(shape, self.spec.dtype, gen)) for _ in range(num_requests)]
         self.max_tokens = max_blocks * self.spec.block_size
-        self.free_hbm = set(range(self.pools.num_hbm_blocks))
-        self.free_dram = set(range(self.pools.num_dram_blocks))
+        # free lists are stacks: the block freed last is reused first, the riskiest order
+        self.free_hbm = list(range(self.pools.num_hbm_blocks))
+        self.free_dram = list(range(self.pools.num_dram_blocks))
         self.pending: set[int] = set()  # freed HBM blocks that an out-copy in flight still reads
         self.reading: dict[int, object] = {}  # HBM block -> last transfer reading it (out)
         self.in_writer: dict[int, object] = {}  # HBM block -> last transfer writing it (in)
@@ -69,12 +70,15 @@ class Sim:
     def free_hbm_block(self, b: int) -> None:
         reader = self.reading.get(b)
         busy = reader is PLANNED or (reader is not None and not reader.out_done())
-        (self.pending if busy else self.free_hbm).add(b)
+        if busy:
+            self.pending.add(b)
+        else:
+            self.free_hbm.append(b)
 
     def reclaim(self) -> None:
         for b in [b for b in self.pending if self.reading[b] is not PLANNED and self.reading[b].out_done()]:
             self.pending.discard(b)
-            self.free_hbm.add(b)
+            self.free_hbm.append(b)
 
     def wait_written(self, writers: dict[int, object], block: int, direction: str) -> None:
         t = writers.get(block)
@@ -150,13 +154,13 @@ class Sim:
             r.hbm.append(h)
             self.in_writer[h] = PLANNED
         if r.num_tokens % self.spec.block_size:  # the dirty block will change: drop its copy now
-            self.free_dram.add(r.dram.pop(n - 1))
+            self.free_dram.append(r.dram.pop(n - 1))
         r.state = RUNNING
 
     def drop(self, r: Req, state: str) -> None:
         for b in r.hbm:
             self.free_hbm_block(b)
-        self.free_dram.update(r.dram.values())
+        self.free_dram.extend(r.dram.values())
         r.hbm, r.dram, r.num_tokens, r.state = [], {}, 0, state
 
     # -------------------------------------------------------------- step
@@ -250,11 +254,12 @@ MEDIUM = KVSpec(num_layers=4, num_kv_heads=2, head_dim=16, block_size=8, dtype=t
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_duplex_stress_many_in_flight_never_corrupts(device, seed):
+    """Dropping any one of the engine's ordering rules fails about half of these seeds."""
     engine = TransferEngine(make_pools(MEDIUM, num_hbm=40, num_dram=160, device=device, seed=seed), "duplex")
     add_jitter(engine, seed, max_ms=2.0)
-    sim = run_sim(engine, seed, steps=200, num_requests=12, max_blocks=12, window=8)
+    sim = run_sim(engine, seed, steps=300, num_requests=12, max_blocks=12, window=8)
     assert sim.counts["swap_in"] > 100 and sim.counts["swap_out"] > 50 and sim.counts["eager"] > 50
 
 

@@ -9,7 +9,9 @@
    rotates requests: a full batch (`max_num_seqs`) with spare HBM makes a request wait.
 3. The first request that cannot be placed ends admission (no jumping ahead), as does an
    exhausted token or copy budget (B_xfer).
-4. Running requests then get their tokens, decodes first, newest run first.
+4. Running requests then get their tokens, decodes first, in arrival order; one short of
+   blocks preempts the newest arrival (as FCFS does: the oldest request never loses its
+   blocks to growth, so recompute cannot livelock).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def schedule_lvf(core: SchedulerCore, step: Step) -> None:
     finally:
         core.q_first.restore()
         core.q_emitted.restore()
-    schedule_running(core, step, [r for r in order if r.status is Status.RUNNING])
+    schedule_running(core, step, sorted(core.running.values(), key=lambda r: r.seq))
 
 
 def lvf_candidates(core: SchedulerCore, now: float) -> Iterator[tuple[float, Request]]:
@@ -103,7 +105,7 @@ def _displace(core: SchedulerCore, step: Step, req: Request, need: int, order: l
         if num_copy > step.moves_left - len(req.dram_blocks):
             break  # its swap-out and req's swap-in would exceed B_xfer
         is_decode = victim.num_schedulable() == 1
-        if core.preempt(victim, step, recompute_ok=victim.sampled_since_run_start()):
+        if core.preempt(victim, step, recompute_ok=True):
             num_decodes += is_decode
     return num_decodes
 

@@ -1,0 +1,339 @@
+"""The simulator's worker: how long a step computes and how long its KV copies take.
+
+Two ways to price a step's compute, chosen by the hardware profile:
+- roofline (GPU profiles): weights read once per step, KV read by attention and written for
+  new tokens, against FLOPs of the linear layers (2·params per token, logits only for rows
+  that sample) and of attention; time = max(FLOPs / achievable FLOP/s, bytes / achievable
+  HBM bandwidth) + a fixed per-step overhead. MoE reads only the experts some token routes
+  to and computes only the active ones;
+- linear (the `cpu` profile, fitted by `bench calibrate` on the real worker): overhead +
+  per prefill token + per decode token + per KV token read.
+
+Copies are priced from the bytes moved, the link's efficiency at the copy's segment size
+(interpolated on log size) and the transfer mode: `naive` copies one layer's K or V of one
+block at a time, `merged` one block, `batched` one call per direction; all three run the
+two directions in series. `duplex` runs both directions at once, together capped by the
+host DRAM bandwidth.
+
+Profiles live in bench/profiles/*.json; model shapes are below.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+MODES = ("naive", "merged", "batched", "duplex")
+GB = 1e9
+
+
+# ---------------------------------------------------------------- model shapes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool = False
+    num_experts: int = 1  # MLP experts per layer (1 = dense)
+    num_active_experts: int = 1  # experts each token is routed to
+    max_position: int = 32768
+
+    @property
+    def attn_params(self) -> int:
+        """q, k, v, o projections of one layer."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return self.hidden_size * (2 * q + 2 * kv)
+
+    @property
+    def expert_params(self) -> int:
+        """gate, up, down of one expert of one layer."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        per_layer = self.attn_params + self.num_experts * self.expert_params + 2 * self.hidden_size
+        router = self.hidden_size * self.num_experts if self.num_experts > 1 else 0
+        heads = 1 if self.tie_embeddings else 2
+        return self.num_layers * (per_layer + router) + heads * self.embed_params
+
+    @property
+    def active_layer_params(self) -> int:
+        """Parameters of the layers one token multiplies (embeddings and logits aside)."""
+        return self.num_layers * (self.attn_params + self.num_active_experts * self.expert_params)
+
+    def kv_token_bytes(self, dtype_bytes: int) -> int:
+        """K and V of one token, all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def kv_segment_bytes(self, block_size: int, dtype_bytes: int) -> int:
+        """One layer's K (or V) of one block: what a layer-first layout copies at a time."""
+        return block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def kv_block_bytes(self, block_size: int, dtype_bytes: int) -> int:
+        return block_size * self.kv_token_bytes(dtype_bytes)
+
+    def weights_read(self, num_tokens: int) -> int:
+        """Parameters read by a step of `num_tokens` tokens: everything but the experts no
+        token routes to (expected distinct experts under uniform top-k routing)."""
+        if self.num_experts == 1 or num_tokens == 0:
+            return self.num_params
+        e, k = self.num_experts, self.num_active_experts
+        touched = e * (1.0 - (1.0 - k / e) ** num_tokens)
+        return int(self.num_params - self.num_layers * (e - touched) * self.expert_params)
+
+
+MODELS: dict[str, ModelShape] = {
+    "smollm2": ModelShape("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, tie_embeddings=True, max_position=8192),
+    "llama3-8b": ModelShape("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, max_position=8192),
+    "qwen2.5-32b": ModelShape("Qwen2.5-32B", 64, 5120, 40, 8, 128, 27648, 152064, max_position=32768),
+    "mixtral-8x7b": ModelShape(
+        "Mixtral-8x7B", 32, 4096, 32, 8, 128, 14336, 32000, num_experts=8, num_active_experts=2, max_position=32768
+    ),
+}
+
+
+# ---------------------------------------------------------------- hardware profiles
+
+
+@dataclass(frozen=True)
+class Link:
+    """HBM<->DRAM link: per-direction rate vs segment size, and the duplex cap."""
+
+    curve: tuple[tuple[float, float], ...]  # (segment bytes, GB/s per direction), ascending
+    dram_gbs: float  # host DRAM bandwidth, both directions together (the ideal duplex cap)
+    duplex_efficiency: float = 1.0  # share of dram_gbs two concurrent directions reach
+
+    def rate(self, segment_bytes: float) -> float:
+        """Bytes/s of one direction copying segments of `segment_bytes`: linear in log size
+        between curve points, flat beyond the ends."""
+        sizes = [s for s, _ in self.curve]
+        if segment_bytes <= sizes[0]:
+            return self.curve[0][1] * GB
+        if segment_bytes >= sizes[-1]:
+            return self.curve[-1][1] * GB
+        i = bisect.bisect_right(sizes, segment_bytes)
+        (s0, r0), (s1, r1) = self.curve[i - 1], self.curve[i]
+        frac = (math.log(segment_bytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return (r0 + frac * (r1 - r0)) * GB
+
+    @property
+    def duplex_cap(self) -> float:
+        return self.dram_gbs * self.duplex_efficiency * GB
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """Calibrated step time of one model on one machine (seconds)."""
+
+    model: str
+    overhead_s: float
+    prefill_token_s: float
+    decode_token_s: float
+    kv_token_s: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: float  # peak dense FLOP/s at the serving dtype
+    hbm_bw: float  # bytes/s
+    hbm_bytes: float
+    host_bytes: float
+    link: Link
+    compute_efficiency: float = 0.6
+    hbm_efficiency: float = 0.8
+    step_overhead_s: float = 0.003
+    sched_s: float = 0.0  # modelled time of one scheduling call
+    pipeline: bool = True  # plan t+1 and its copies overlap step t's compute
+    dtype_bytes: int = 2  # weights and KV
+    mem_utilization: float = 0.9  # share of HBM the serving process may use
+    dram_fraction: float = 0.5  # share of host memory given to the DRAM KV pool
+    kv_hbm_bytes: float | None = None  # HBM KV pool size when fixed (cpu: a RAM share)
+    kv_dram_bytes: float | None = None
+    linear: LinearCost | None = None
+    defaults: dict = field(default_factory=dict)  # scheduler defaults for this machine
+    notes: str = ""
+
+
+def hardware_from_dict(d: dict) -> Hardware:
+    link = d["link"]
+    lin = d.get("linear")
+    return Hardware(
+        name=d["name"],
+        flops=float(d["flops_tera"]) * 1e12,
+        hbm_bw=float(d["hbm_gbs"]) * GB,
+        hbm_bytes=float(d["hbm_gb"]) * GB,
+        host_bytes=float(d["host_gb"]) * GB,
+        link=Link(tuple((float(s), float(r)) for s, r in link["curve"]), float(link["dram_gbs"]), float(link.get("duplex_efficiency", 1.0))),
+        compute_efficiency=float(d.get("compute_efficiency", 0.6)),
+        hbm_efficiency=float(d.get("hbm_efficiency", 0.8)),
+        step_overhead_s=float(d.get("step_overhead_ms", 3.0)) / 1e3,
+        sched_s=float(d.get("sched_ms", 0.0)) / 1e3,
+        pipeline=bool(d.get("pipeline", True)),
+        dtype_bytes=int(d.get("dtype_bytes", 2)),
+        mem_utilization=float(d.get("mem_utilization", 0.9)),
+        dram_fraction=float(d.get("dram_fraction", 0.5)),
+        kv_hbm_bytes=_opt_gb(d.get("kv_hbm_gb")),
+        kv_dram_bytes=_opt_gb(d.get("kv_dram_gb")),
+        linear=LinearCost(**lin) if lin else None,
+        defaults=dict(d.get("defaults", {})),
+        notes=d.get("notes", ""),
+    )
+
+
+def _opt_gb(v) -> float | None:
+    return None if v is None else float(v) * GB
+
+
+def load_hardware(name_or_path: str) -> Hardware:
+    """A profile by name (bench/profiles/NAME.json) or by path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILE_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        hint = " (run `superinfer bench calibrate` first)" if name_or_path == "cpu" else ""
+        raise FileNotFoundError(f"no hardware profile {name_or_path!r} at {path}{hint}")
+    return hardware_from_dict(json.loads(path.read_text()))
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+# ---------------------------------------------------------------- KV pool sizes
+
+
+def num_kv_blocks(hw: Hardware, model: ModelShape, block_size: int) -> tuple[int, int]:
+    """(HBM blocks, DRAM blocks): HBM = (capacity × utilization − weights) / block bytes,
+    DRAM = host memory × dram_fraction / block bytes (fixed sizes in the profile win)."""
+    block = model.kv_block_bytes(block_size, hw.dtype_bytes)
+    hbm = hw.kv_hbm_bytes
+    if hbm is None:
+        hbm = hw.hbm_bytes * hw.mem_utilization - model.num_params * hw.dtype_bytes
+    dram = hw.kv_dram_bytes if hw.kv_dram_bytes is not None else hw.host_bytes * hw.dram_fraction
+    if hbm < block:
+        raise ValueError(f"{model.name} does not fit on {hw.name}: no HBM left for the KV-cache")
+    return int(hbm // block), int(dram // block)
+
+
+# ---------------------------------------------------------------- step compute
+
+
+@dataclass
+class StepWork:
+    """What one step computes, summed over its scheduled requests."""
+
+    num_prefill_tokens: int = 0  # tokens of chunks longer than one
+    num_decode_tokens: int = 0  # one-token chunks
+    num_kv_read: int = 0  # context tokens attention reads (all layers count once)
+    num_attn_pairs: int = 0  # (query, key) pairs attention scores
+    num_sampled: int = 0  # rows that produce logits
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    def add(self, num_computed: int, num_new: int, samples: bool) -> None:
+        """A request computing positions [num_computed, num_computed + num_new)."""
+        if num_new == 1:
+            self.num_decode_tokens += 1
+        else:
+            self.num_prefill_tokens += num_new
+        self.num_kv_read += num_computed + num_new
+        # query at position p attends to p + 1 keys
+        self.num_attn_pairs += num_new * num_computed + num_new * (num_new + 1) // 2
+        self.num_sampled += samples
+
+
+def compute_time(hw: Hardware, model: ModelShape, work: StepWork) -> float:
+    """Seconds of one step's forward; 0 when it computes nothing."""
+    if work.num_tokens == 0:
+        return 0.0
+    if hw.linear is not None:
+        lin = hw.linear
+        return (
+            lin.overhead_s
+            + lin.prefill_token_s * work.num_prefill_tokens
+            + lin.decode_token_s * work.num_decode_tokens
+            + lin.kv_token_s * work.num_kv_read
+        )
+    flops = (
+        2 * model.active_layer_params * work.num_tokens
+        + 2 * model.embed_params * work.num_sampled
+        + 4 * model.num_layers * model.num_heads * model.head_dim * work.num_attn_pairs
+    )
+    kv = model.kv_token_bytes(hw.dtype_bytes)
+    num_bytes = model.weights_read(work.num_tokens) * hw.dtype_bytes + kv * (work.num_kv_read + work.num_tokens)
+    t_compute = flops / (hw.flops * hw.compute_efficiency)
+    t_memory = num_bytes / (hw.hbm_bw * hw.hbm_efficiency)
+    return max(t_compute, t_memory) + hw.step_overhead_s
+
+
+# ---------------------------------------------------------------- copies
+
+
+@dataclass(frozen=True)
+class XferTime:
+    in_s: float  # swap-ins done (compute reading them may start)
+    total_s: float  # both directions done (the link is free again)
+
+
+def direction_rate(hw: Hardware, model: ModelShape, mode: str, num_blocks: int, block_size: int) -> float:
+    """Bytes/s of one direction copying `num_blocks` blocks alone in `mode`."""
+    if mode not in MODES:
+        raise ValueError(f"unknown transfer mode {mode!r}; one of {', '.join(MODES)}")
+    if mode == "naive":
+        segment = model.kv_segment_bytes(block_size, hw.dtype_bytes)
+    elif mode == "merged":
+        segment = model.kv_block_bytes(block_size, hw.dtype_bytes)
+    else:  # one call per direction
+        segment = num_blocks * model.kv_block_bytes(block_size, hw.dtype_bytes)
+    return hw.link.rate(segment)
+
+
+def transfer_time(hw: Hardware, model: ModelShape, mode: str, num_in: int, num_out: int, block_size: int) -> XferTime:
+    """Time of one step's copies: `num_in` blocks DRAM→HBM, `num_out` HBM→DRAM."""
+    block = model.kv_block_bytes(block_size, hw.dtype_bytes)
+    bytes_in, bytes_out = num_in * block, num_out * block
+    r_in = direction_rate(hw, model, mode, num_in, block_size) if num_in else 1.0
+    r_out = direction_rate(hw, model, mode, num_out, block_size) if num_out else 1.0
+    if mode != "duplex":
+        t_in = bytes_in / r_in
+        return XferTime(t_in, t_in + bytes_out / r_out)
+    return _duplex(bytes_in, bytes_out, r_in, r_out, hw.link.duplex_cap)
+
+
+def _duplex(bytes_in: float, bytes_out: float, r_in: float, r_out: float, cap: float) -> XferTime:
+    """Both directions at once: while both run, their rates scale down to share `cap`;
+    when one is done the other runs alone (still within `cap`)."""
+    if not bytes_in or not bytes_out:
+        t_in = bytes_in / min(r_in, cap)
+        return XferTime(t_in, t_in + bytes_out / min(r_out, cap))
+    scale = min(1.0, cap / (r_in + r_out))
+    s_in, s_out = r_in * scale, r_out * scale
+    t_both = min(bytes_in / s_in, bytes_out / s_out)
+    left_in, left_out = bytes_in - s_in * t_both, bytes_out - s_out * t_both
+    t_in = t_both + left_in / min(r_in, cap)
+    t_out = t_both + left_out / min(r_out, cap)
+    return XferTime(t_in, max(t_in, t_out))
+
+
+def ideal_time(hw: Hardware, bytes_in: float, bytes_out: float) -> float:
+    """The link's lower bound: every byte at the DRAM's full both-ways bandwidth."""
+    return (bytes_in + bytes_out) / (hw.link.dram_gbs * GB)

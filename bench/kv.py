@@ -1,0 +1,240 @@
+"""`superinfer bench kv`: KV-block transfer bandwidth of each DuplexKV mode.
+
+Moves the same volume (`--gib` each way: swap-ins DRAM→HBM and swap-outs HBM→DRAM of
+scattered blocks) in every mode, and measures in the same run the ceiling those copies are
+held to: on CPU one contiguous copy of the same bytes; on CUDA contiguous pinned copies, one
+direction at a time and both at once. Bandwidths are 1e9 bytes/s, medians of `--reps` runs.
+
+    python -m bench.kv --json bench/results/kv_cpu.json --model smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from services.worker.kv_pool import MODEL_KV_SPECS, KVPools, KVSpec, blocks_in
+from services.worker.transfer import MODES, TransferEngine
+
+Pairs = list[tuple[int, int]]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--gib", type=float, default=1.0, help="GiB moved in each direction (default 1)")
+    parser.add_argument("--model", choices=sorted(MODEL_KV_SPECS), default="smollm2", help="KV block shape")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run")
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per figure (median quoted)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument("--copy", default="auto", help="CUDA copy for batched/duplex: auto, memcpy_batch, per_block, cupy")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def gbps(num_bytes: int, seconds: float) -> float:
+    return round(num_bytes / seconds / 1e9, 2)
+
+
+def timed_once(fn, device: torch.device) -> float:
+    """Wall seconds of `fn` (host queueing included), synchronized on both ends."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def round_robin(figures: dict[str, Callable[[], object]], reps: int, device: torch.device) -> dict[str, list[float]]:
+    """Run every figure once per round, `reps` rounds: load from other processes then falls
+    on all figures alike instead of on whichever ran during a busy spell."""
+    runs: dict[str, list[float]] = {name: [] for name in figures}
+    for _ in range(reps):
+        for name, fn in figures.items():
+            runs[name].append(timed_once(fn, device))
+    return runs
+
+
+def scattered_pairs(num_blocks: int, seed: int) -> tuple[Pairs, Pairs]:
+    """(swap_in, swap_out) over pools of 2n blocks, ids shuffled as after many rotations; the
+    swap-ins target HBM blocks the swap-outs do not read."""
+    gen = torch.Generator().manual_seed(seed)
+    hbm = torch.randperm(2 * num_blocks, generator=gen).tolist()
+    dram = torch.randperm(2 * num_blocks, generator=gen).tolist()
+    n = num_blocks
+    return list(zip(dram[:n], hbm[:n])), list(zip(hbm[n:], dram[n:]))
+
+
+# ---------------------------------------------------------------- what is timed
+
+
+def ceiling_figures(pools: KVPools, n: int) -> dict[str, Callable[[], object]]:
+    """CPU: one contiguous copy of the bytes both directions move together. CUDA: contiguous
+    pinned copies of n blocks, each direction alone and both at once on two streams."""
+    if not pools.is_cuda:
+        src, dst = pools.hbm.view(-1), pools.dram.view(-1)
+        return {"memcpy": lambda: dst.copy_(src)}
+    h2d, d2h = torch.cuda.Stream(pools.device), torch.cuda.Stream(pools.device)
+
+    def copy_in():
+        with torch.cuda.stream(h2d):
+            pools.hbm[:n].copy_(pools.dram[:n], non_blocking=True)
+
+    def copy_out():
+        with torch.cuda.stream(d2h):
+            pools.dram[n : 2 * n].copy_(pools.hbm[n : 2 * n], non_blocking=True)
+
+    return {"pinned_h2d": copy_in, "pinned_d2h": copy_out, "pinned_duplex": lambda: (copy_in(), copy_out())}
+
+
+def mode_figures(engine: TransferEngine, pairs: tuple[Pairs, Pairs]) -> dict[str, Callable[[], object]]:
+    swap_in, swap_out = pairs
+    figures = {engine.mode: lambda: engine.submit(swap_in, swap_out).wait()}
+    if engine.pools.is_cuda:  # each direction alone
+        figures[f"{engine.mode}.h2d"] = lambda: engine.submit(swap_in=swap_in).wait()
+        figures[f"{engine.mode}.d2h"] = lambda: engine.submit(swap_out=swap_out).wait()
+    return figures
+
+
+def summarize(runs: dict[str, list[float]], engines: dict[str, TransferEngine], block_bytes: int, n: int) -> dict:
+    """Medians into the report's keys; bandwidth counts the bytes of both directions."""
+    med = {name: statistics.median(r) for name, r in runs.items()}
+    one_way = n * block_bytes
+    result: dict = {}
+    if "memcpy" in med:
+        result["memcpy_gbps"] = gbps(2 * one_way, med["memcpy"])
+        result["memcpy_what"] = "one contiguous host copy of both directions' bytes"
+    else:
+        result["pinned"] = {"what": "contiguous pinned copies, each direction alone and both at once",
+                            "h2d_gbps": gbps(one_way, med["pinned_h2d"]), "d2h_gbps": gbps(one_way, med["pinned_d2h"]),
+                            "duplex_gbps": gbps(2 * one_way, med["pinned_duplex"])}  # fmt: skip
+        result["memcpy_gbps"] = result["pinned"]["duplex_gbps"]
+        result["memcpy_what"] = "pinned copies, both directions at once"
+    result["modes"] = {}
+    for mode, engine in engines.items():
+        m = {"copy_impl": engine.copy_impl, "effective_gbps": gbps(2 * one_way, med[mode]),
+             "seconds": round(med[mode], 4), "runs_s": [round(r, 4) for r in runs[mode]]}  # fmt: skip
+        for d in ("h2d", "d2h"):
+            if f"{mode}.{d}" in med:
+                m[f"{d}_gbps"] = gbps(one_way, med[f"{mode}.{d}"])
+        result["modes"][mode] = m
+    return result
+
+
+def goals(result: dict) -> dict:
+    modes, ratio = result["modes"], lambda a, b: round(a / b, 3) if b else None  # noqa: E731
+    g = {}
+    if "duplex" in modes:
+        g["duplex_vs_memcpy"] = {"value": ratio(modes["duplex"]["effective_gbps"], result["memcpy_gbps"]), "target": 0.85}
+    if "duplex" in modes and "naive" in modes:
+        g["duplex_vs_naive"] = {"value": ratio(modes["duplex"]["effective_gbps"], modes["naive"]["effective_gbps"]), "target": 10}
+    pinned = result.get("pinned")
+    if pinned and "batched" in modes:
+        for d in ("h2d", "d2h"):
+            g[f"batched_{d}_vs_pinned"] = {"value": ratio(modes["batched"][f"{d}_gbps"], pinned[f"{d}_gbps"]), "target": 0.9}
+    if pinned and "duplex" in modes:
+        one_way = max(pinned["h2d_gbps"], pinned["d2h_gbps"])
+        g["duplex_vs_one_direction"] = {"value": ratio(modes["duplex"]["effective_gbps"], one_way), "target": 1.6}
+    for v in g.values():
+        v["met"] = v["value"] is not None and v["value"] >= v["target"]
+    return g
+
+
+# ---------------------------------------------------------------- report
+
+
+def print_table(result: dict) -> None:
+    print(f"\nKV transfer: {result['model']} blocks ({result['block_bytes']} B), {result['gib_each_way']} GiB each way, "
+          f"{result['device']}, median of {result['reps']}")  # fmt: skip
+    print(f"  memcpy limit      {result['memcpy_gbps']:8.2f} GB/s  ({result['memcpy_what']})")
+    if "pinned" in result:
+        p = result["pinned"]
+        print(f"  pinned            h2d {p['h2d_gbps']:.2f}  d2h {p['d2h_gbps']:.2f}  both {p['duplex_gbps']:.2f} GB/s")
+    print(f"  {'mode':<10} {'copy':<13} {'GB/s (both)':>11} {'seconds':>8} {'h2d':>8} {'d2h':>8}")
+    for mode, m in result["modes"].items():
+        h2d, d2h = m.get("h2d_gbps", ""), m.get("d2h_gbps", "")
+        print(f"  {mode:<10} {m['copy_impl']:<13} {m['effective_gbps']:>11.2f} {m['seconds']:>8.3f} {h2d!s:>8} {d2h!s:>8}")
+    for name, g in result["goals"].items():
+        print(f"  goal {name:<26} {g['value']!s:>7} (target {g['target']})  {'met' if g['met'] else 'NOT met'}")
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+
+
+def run(args: argparse.Namespace) -> int:
+    device = pick_device(args.device)
+    spec: KVSpec = MODEL_KV_SPECS[args.model]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in MODES]:
+        print(f"unknown mode(s) {bad}; choose from {MODES}", file=sys.stderr)
+        return 2
+    if device.type != "cuda" and args.copy != "auto":
+        print(f"--copy {args.copy} picks a CUDA copy implementation; this run is on {device}", file=sys.stderr)
+        return 2
+    n = max(64, blocks_in(spec, args.gib * (1 << 30)))
+    pools = KVPools(spec, 2 * n, 2 * n, device)
+    engines: dict[str, TransferEngine] = {}
+    try:
+        pools.hbm.fill_(1.0)  # touch every page before timing
+        pools.dram.fill_(2.0)
+        pairs = scattered_pairs(n, args.seed)
+        figures = ceiling_figures(pools, n)
+        for mode in modes:
+            engines[mode] = TransferEngine(pools, mode, args.copy if mode in ("batched", "duplex") else "auto")
+            engines[mode].submit(pairs[0][:64], pairs[1][:64]).wait()  # warm-up: threads, streams, kernels
+            figures.update(mode_figures(engines[mode], pairs))
+        runs = round_robin(figures, args.reps, device)
+        result = {
+            "bench": "kv", "model": args.model, "device": device_name(device), "torch": torch.__version__,
+            "host": platform.node(), "num_threads": torch.get_num_threads(), "reps": args.reps,
+            "block_bytes": spec.block_bytes, "segment_bytes": spec.segment_bytes, "num_blocks_each_way": n,
+            "gib_each_way": round(n * spec.block_bytes / (1 << 30), 3), "gbps_unit": "1e9 bytes/s",
+            **summarize(runs, engines, spec.block_bytes, n),
+        }  # fmt: skip
+        result["goals"] = goals(result)
+    finally:
+        for engine in engines.values():
+            engine.close()
+        pools.close()
+        del pools
+        gc.collect()
+    print_table(result)
+    if args.json:
+        write_json(args.json, result)
+        print(f"  wrote {args.json}")
+    return 0
+
+
+def device_name(device: torch.device) -> str:
+    return f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench.kv", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

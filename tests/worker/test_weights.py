@@ -1,0 +1,107 @@
+"""Weight loading: GGUF (dequantized, q/k rows un-permuted) and HF directories (safetensors)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services.worker.attention import build_metadata
+from services.worker.runner import allocate_kv_pool, load_model
+from services.worker.weights import expected_names, gguf_to_hf_name, unpermute_rope_rows
+
+BLOCK = 4
+
+
+def llama_cpp_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """What llama.cpp's HF->GGUF converter does to q/k rows (its `permute`)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("num_heads, head_dim", [(9, 64), (3, 64), (8, 128), (2, 4)])
+def test_unpermute_inverts_llama_cpp_permute(num_heads, head_dim):
+    w = torch.randn(num_heads * head_dim, 5)
+    assert torch.equal(unpermute_rope_rows(llama_cpp_permute(w, num_heads), num_heads), w)
+    bias = torch.randn(num_heads * head_dim)
+    assert torch.equal(unpermute_rope_rows(llama_cpp_permute(bias, num_heads), num_heads), bias)
+
+
+def test_gguf_names():
+    assert gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_to_hf_name("blk.12.attn_k.weight") == "model.layers.12.self_attn.k_proj.weight"
+    assert gguf_to_hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert gguf_to_hf_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
+    assert gguf_to_hf_name("rope_freqs.weight") is None
+
+
+def test_bundled_gguf_loads_complete_in_hf_layout(weights, cfg):
+    assert weights.keys() == expected_names(cfg)  # tied: no lm_head
+    assert weights["model.embed_tokens.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+    assert weights["model.layers.29.mlp.down_proj.weight"].shape == (cfg.hidden_size, cfg.intermediate_size)
+    assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())
+
+
+def _tiny_checkpoint(tmp_path, arch: str):
+    """A small random transformers model saved as an HF directory (config.json + safetensors)."""
+    import transformers
+
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=50000.0,
+    )
+    if arch == "llama":  # untied, head_dim not hidden / heads (as in some Llama-3 / Qwen3 shapes)
+        config = transformers.LlamaConfig(**common, head_dim=32, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    else:  # Qwen2.5 shape: q/k/v biases, tied embeddings
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():  # make biases and norms non-trivial so a dropped one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(tmp_path)
+    # Published checkpoints carry rope_theta at the top level of config.json.
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["rope_theta"] = 50000.0
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_directory_model_matches_transformers(tmp_path, arch):
+    theirs_model = _tiny_checkpoint(tmp_path, arch)
+    ours_model, cfg = load_model(tmp_path, "cpu")
+    assert cfg.attention_bias == (arch == "qwen2")
+    assert cfg.tie_embeddings == (arch == "qwen2")
+    assert cfg.rope_theta == 50000.0
+    n = 23
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(1))
+    table = [5, 1, 4, 0, 3, 2]
+    pool = allocate_kv_pool(cfg, len(table), BLOCK, torch.float32, "cpu")
+    with torch.inference_mode():
+        theirs = theirs_model(ids[None]).logits[0]  # [n, V]
+        meta = build_metadata([0], [n - 1], [table], BLOCK, "cpu")
+        ours = ours_model(ids[:-1], torch.arange(n - 1), meta, pool, torch.arange(n - 1))
+        torch.testing.assert_close(ours, theirs[:-1], atol=1e-5, rtol=1e-4)
+        meta = build_metadata([n - 1], [1], [table], BLOCK, "cpu")
+        last = ours_model(ids[-1:], torch.tensor([n - 1]), meta, pool, torch.tensor([0]))
+        torch.testing.assert_close(last[0], theirs[-1], atol=1e-5, rtol=1e-4)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _tiny_checkpoint(tmp_path, "llama")
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match="lacks 1 tensors"):
+        load_model(tmp_path, "cpu")
