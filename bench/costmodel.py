@@ -176,10 +176,10 @@ def hardware_from_dict(d: dict) -> Hardware:
     lin = d.get("linear")
     return Hardware(
         name=d["name"],
-        flops=float(d["flops_tera"]) * 1e12,
-        hbm_bw=float(d["hbm_gbs"]) * GB,
-        hbm_bytes=float(d["hbm_gb"]) * GB,
-        host_bytes=float(d["host_gb"]) * GB,
+        flops=float(d.get("flops_tera", 0.0)) * 1e12,  # a linear (calibrated) profile needs none
+        hbm_bw=float(d.get("hbm_gbs", 0.0)) * GB,
+        hbm_bytes=float(d.get("hbm_gb", 0.0)) * GB,
+        host_bytes=float(d.get("host_gb", 0.0)) * GB,
         link=Link(tuple((float(s), float(r)) for s, r in link["curve"]), float(link["dram_gbs"]), float(link.get("duplex_efficiency", 1.0))),
         compute_efficiency=float(d.get("compute_efficiency", 0.6)),
         hbm_efficiency=float(d.get("hbm_efficiency", 0.8)),
@@ -217,6 +217,12 @@ def profile_names() -> list[str]:
 
 
 # ---------------------------------------------------------------- KV pool sizes
+
+
+def check_pair(hw: Hardware, model_key: str) -> None:
+    """A calibrated profile prices only the model it was measured with."""
+    if hw.linear is not None and hw.linear.model != model_key:
+        raise ValueError(f"profile {hw.name!r} was calibrated on {hw.linear.model!r}, not {model_key!r}")
 
 
 def num_kv_blocks(hw: Hardware, model: ModelShape, block_size: int) -> tuple[int, int]:

@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run")
     parser.add_argument("--reps", type=int, default=3, help="timed runs per figure (median quoted)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    parser.add_argument("--copy", default="auto", help="CUDA copy for batched/duplex: auto, memcpy_batch, per_block, cupy")
+    parser.add_argument(
+        "--copy", default="auto", help="CUDA copy of batched/duplex: auto, memcpy_batch, per_block, cupy"
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -55,7 +57,10 @@ def timed_once(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def round_robin(figures: dict[str, Callable[[], object]], reps: int, device: torch.device) -> dict[str, list[float]]:
+Figures = dict[str, Callable[[], object]]
+
+
+def round_robin(figures: Figures, reps: int, device: torch.device) -> dict[str, list[float]]:
     """Run every figure once per round, `reps` rounds: load from other processes then falls
     on all figures alike instead of on whichever ran during a busy spell."""
     runs: dict[str, list[float]] = {name: [] for name in figures}
@@ -78,7 +83,7 @@ def scattered_pairs(num_blocks: int, seed: int) -> tuple[Pairs, Pairs]:
 # ---------------------------------------------------------------- what is timed
 
 
-def ceiling_figures(pools: KVPools, n: int) -> dict[str, Callable[[], object]]:
+def ceiling_figures(pools: KVPools, n: int) -> Figures:
     """CPU: one contiguous copy of the bytes both directions move together. CUDA: contiguous
     pinned copies of n blocks, each direction alone and both at once on two streams."""
     if not pools.is_cuda:
@@ -97,7 +102,7 @@ def ceiling_figures(pools: KVPools, n: int) -> dict[str, Callable[[], object]]:
     return {"pinned_h2d": copy_in, "pinned_d2h": copy_out, "pinned_duplex": lambda: (copy_in(), copy_out())}
 
 
-def mode_figures(engine: TransferEngine, pairs: tuple[Pairs, Pairs]) -> dict[str, Callable[[], object]]:
+def mode_figures(engine: TransferEngine, pairs: tuple[Pairs, Pairs]) -> Figures:
     swap_in, swap_out = pairs
     figures = {engine.mode: lambda: engine.submit(swap_in, swap_out).wait()}
     if engine.pools.is_cuda:  # each direction alone
@@ -106,24 +111,32 @@ def mode_figures(engine: TransferEngine, pairs: tuple[Pairs, Pairs]) -> dict[str
     return figures
 
 
-def summarize(runs: dict[str, list[float]], engines: dict[str, TransferEngine], block_bytes: int, n: int) -> dict:
-    """Medians into the report's keys; bandwidth counts the bytes of both directions."""
+def summarize(runs: dict[str, list[float]], engines: dict[str, TransferEngine], one_way: int) -> dict:
+    """Medians into the report's keys; `effective_gbps` counts the bytes of both directions."""
     med = {name: statistics.median(r) for name, r in runs.items()}
-    one_way = n * block_bytes
     result: dict = {}
     if "memcpy" in med:
         result["memcpy_gbps"] = gbps(2 * one_way, med["memcpy"])
         result["memcpy_what"] = "one contiguous host copy of both directions' bytes"
     else:
-        result["pinned"] = {"what": "contiguous pinned copies, each direction alone and both at once",
-                            "h2d_gbps": gbps(one_way, med["pinned_h2d"]), "d2h_gbps": gbps(one_way, med["pinned_d2h"]),
-                            "duplex_gbps": gbps(2 * one_way, med["pinned_duplex"])}  # fmt: skip
+        h2d, d2h = gbps(one_way, med["pinned_h2d"]), gbps(one_way, med["pinned_d2h"])
+        result["pinned"] = {
+            "what": "contiguous pinned copies, each direction alone and both at once",
+            "h2d_gbps": h2d,
+            "d2h_gbps": d2h,
+            "one_way_gbps": max(h2d, d2h),
+            "duplex_gbps": gbps(2 * one_way, med["pinned_duplex"]),
+        }
         result["memcpy_gbps"] = result["pinned"]["duplex_gbps"]
         result["memcpy_what"] = "pinned copies, both directions at once"
     result["modes"] = {}
     for mode, engine in engines.items():
-        m = {"copy_impl": engine.copy_impl, "effective_gbps": gbps(2 * one_way, med[mode]),
-             "seconds": round(med[mode], 4), "runs_s": [round(r, 4) for r in runs[mode]]}  # fmt: skip
+        m = {
+            "copy_impl": engine.copy_impl,
+            "effective_gbps": gbps(2 * one_way, med[mode]),
+            "seconds": round(med[mode], 4),
+            "runs_s": [round(r, 4) for r in runs[mode]],
+        }
         for d in ("h2d", "d2h"):
             if f"{mode}.{d}" in med:
                 m[f"{d}_gbps"] = gbps(one_way, med[f"{mode}.{d}"])
@@ -131,41 +144,55 @@ def summarize(runs: dict[str, list[float]], engines: dict[str, TransferEngine], 
     return result
 
 
+# (name, numerator, denominator, target), as key paths into the result
+GOALS = [
+    ("duplex_vs_memcpy", ("modes", "duplex", "effective_gbps"), ("memcpy_gbps",), 0.85),
+    ("duplex_vs_naive", ("modes", "duplex", "effective_gbps"), ("modes", "naive", "effective_gbps"), 10.0),
+    ("batched_h2d_vs_pinned", ("modes", "batched", "h2d_gbps"), ("pinned", "h2d_gbps"), 0.9),
+    ("batched_d2h_vs_pinned", ("modes", "batched", "d2h_gbps"), ("pinned", "d2h_gbps"), 0.9),
+    ("duplex_vs_one_direction", ("modes", "duplex", "effective_gbps"), ("pinned", "one_way_gbps"), 1.6),
+]
+
+
+def _lookup(d: dict, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
 def goals(result: dict) -> dict:
-    modes, ratio = result["modes"], lambda a, b: round(a / b, 3) if b else None  # noqa: E731
-    g = {}
-    if "duplex" in modes:
-        g["duplex_vs_memcpy"] = {"value": ratio(modes["duplex"]["effective_gbps"], result["memcpy_gbps"]), "target": 0.85}
-    if "duplex" in modes and "naive" in modes:
-        g["duplex_vs_naive"] = {"value": ratio(modes["duplex"]["effective_gbps"], modes["naive"]["effective_gbps"]), "target": 10}
-    pinned = result.get("pinned")
-    if pinned and "batched" in modes:
-        for d in ("h2d", "d2h"):
-            g[f"batched_{d}_vs_pinned"] = {"value": ratio(modes["batched"][f"{d}_gbps"], pinned[f"{d}_gbps"]), "target": 0.9}
-    if pinned and "duplex" in modes:
-        one_way = max(pinned["h2d_gbps"], pinned["d2h_gbps"])
-        g["duplex_vs_one_direction"] = {"value": ratio(modes["duplex"]["effective_gbps"], one_way), "target": 1.6}
-    for v in g.values():
-        v["met"] = v["value"] is not None and v["value"] >= v["target"]
-    return g
+    """The issue's targets that this run has the figures for."""
+    out = {}
+    for name, num, den, target in GOALS:
+        a, b = _lookup(result, num), _lookup(result, den)
+        if a is not None and b:
+            value = round(a / b, 3)
+            out[name] = {"value": value, "target": target, "met": value >= target}
+    return out
 
 
 # ---------------------------------------------------------------- report
 
 
 def print_table(result: dict) -> None:
-    print(f"\nKV transfer: {result['model']} blocks ({result['block_bytes']} B), {result['gib_each_way']} GiB each way, "
-          f"{result['device']}, median of {result['reps']}")  # fmt: skip
+    r = result
+    print(f"\nKV transfer: {r['model']} blocks ({r['block_bytes']} B), {r['gib_each_way']} GiB each way, ", end="")
+    print(f"{r['device']}, median of {r['reps']}")
     print(f"  memcpy limit      {result['memcpy_gbps']:8.2f} GB/s  ({result['memcpy_what']})")
     if "pinned" in result:
         p = result["pinned"]
-        print(f"  pinned            h2d {p['h2d_gbps']:.2f}  d2h {p['d2h_gbps']:.2f}  both {p['duplex_gbps']:.2f} GB/s")
+        h2d, d2h, both = p["h2d_gbps"], p["d2h_gbps"], p["duplex_gbps"]
+        print(f"  pinned            h2d {h2d:.2f}  d2h {d2h:.2f}  both {both:.2f} GB/s")
     print(f"  {'mode':<10} {'copy':<13} {'GB/s (both)':>11} {'seconds':>8} {'h2d':>8} {'d2h':>8}")
     for mode, m in result["modes"].items():
         h2d, d2h = m.get("h2d_gbps", ""), m.get("d2h_gbps", "")
-        print(f"  {mode:<10} {m['copy_impl']:<13} {m['effective_gbps']:>11.2f} {m['seconds']:>8.3f} {h2d!s:>8} {d2h!s:>8}")
+        both, seconds = m["effective_gbps"], m["seconds"]
+        print(f"  {mode:<10} {m['copy_impl']:<13} {both:>11.2f} {seconds:>8.3f} {h2d!s:>8} {d2h!s:>8}")
     for name, g in result["goals"].items():
-        print(f"  goal {name:<26} {g['value']!s:>7} (target {g['target']})  {'met' if g['met'] else 'NOT met'}")
+        verdict = "met" if g["met"] else "NOT met"
+        print(f"  goal {name:<26} {g['value']!s:>7} (target {g['target']})  {verdict}")
 
 
 def write_json(path: Path, result: dict) -> None:
@@ -177,9 +204,17 @@ def write_json(path: Path, result: dict) -> None:
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"unknown mode(s) {bad}; choose from {MODES}", file=sys.stderr)
         return 2
     if device.type != "cuda" and args.copy != "auto":
-        print(f"--copy {args.copy} picks a CUDA copy implementation; this run is on {device}", file=sys.stderr)
+        print(f"--copy {args.copy} is a CUDA copy implementation; this run is on {device}", file=sys.stderr)
         return 2
     n = max(64, blocks_in(spec, args.gib * (1 << 30)))
     pools = KVPools(spec, 2 * n, 2 * n, device)
@@ -201,17 +236,25 @@ def run(args: argparse.Namespace) -> int:
         pairs = scattered_pairs(n, args.seed)
         figures = ceiling_figures(pools, n)
         for mode in modes:
-            engines[mode] = TransferEngine(pools, mode, args.copy if mode in ("batched", "duplex") else "auto")
+            copy_impl = args.copy if mode in ("batched", "duplex") else "auto"
+            engines[mode] = TransferEngine(pools, mode, copy_impl)
             engines[mode].submit(pairs[0][:64], pairs[1][:64]).wait()  # warm-up: threads, streams, kernels
             figures.update(mode_figures(engines[mode], pairs))
         runs = round_robin(figures, args.reps, device)
         result = {
-            "bench": "kv", "model": args.model, "device": device_name(device), "torch": torch.__version__,
-            "host": platform.node(), "num_threads": torch.get_num_threads(), "reps": args.reps,
-            "block_bytes": spec.block_bytes, "segment_bytes": spec.segment_bytes, "num_blocks_each_way": n,
-            "gib_each_way": round(n * spec.block_bytes / (1 << 30), 3), "gbps_unit": "1e9 bytes/s",
-            **summarize(runs, engines, spec.block_bytes, n),
-        }  # fmt: skip
+            "bench": "kv",
+            "model": args.model,
+            "device": device_name(device),
+            "torch": torch.__version__,
+            "num_threads": torch.get_num_threads(),
+            "reps": args.reps,
+            "block_bytes": spec.block_bytes,
+            "segment_bytes": spec.segment_bytes,
+            "num_blocks_each_way": n,
+            "gib_each_way": round(n * spec.block_bytes / (1 << 30), 3),
+            "gbps_unit": "1e9 bytes/s",
+            **summarize(runs, engines, n * spec.block_bytes),
+        }
         result["goals"] = goals(result)
     finally:
         for engine in engines.values():
@@ -225,9 +268,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"  wrote {args.json}")
     return 0
 
-
-def device_name(device: torch.device) -> str:
-    return f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
 
 
 def main(argv: list[str] | None = None) -> int:

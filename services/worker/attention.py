@@ -30,16 +30,21 @@ import torch.nn.functional as F
 
 
 @dataclass
-class ContextIndex:
-    """Where a request's context tokens sit in the pool: slot (blocks[..., i], offsets[..., i])
-    holds token i. Gathering by token slot (not by whole block) never reads a slot that was
-    not written, so the pool needs no initialisation and padding stays finite."""
+class DecodeBatch:
+    """The single-token queries of a step, attended in one padded SDPA call.
 
-    blocks: torch.Tensor  # [..., S] long
-    offsets: torch.Tensor  # [..., S] long
+    Their contexts are gathered by whole blocks (one contiguous copy per block); the slots
+    past each request's context (the tail of its last block, and whole padding blocks)
+    are zeroed after the gather, since the pool may hold anything there.
+    """
 
-    def to(self, device: torch.device) -> ContextIndex:
-        return ContextIndex(_move(self.blocks, device), _move(self.offsets, device))
+    block_ids: torch.Tensor  # [R, max_blocks] long; padding repeats the row's first block
+    pad_rows: torch.Tensor  # [P] long: (row, key) of every gathered slot past its context
+    pad_keys: torch.Tensor  # [P] long
+    mask: torch.Tensor  # [R, 1, 1, max_blocks * block_size] bool: True = attend
+
+    def to(self, device) -> DecodeBatch:
+        return DecodeBatch(*(_move(t, device) for t in (self.block_ids, self.pad_rows, self.pad_keys, self.mask)))
 
 
 @dataclass
@@ -51,42 +56,40 @@ class PrefillSegment:
     # Tokens already in the cache before this chunk; 0 means the chunk is the whole context
     # so far and attends only to its own fresh K/V (no gather).
     num_cached: int
-    context: ContextIndex | None  # [num_cached + q_len] when num_cached > 0
+    block_ids: torch.Tensor | None  # [blocks holding num_cached + q_len tokens] when num_cached > 0
     mask: torch.Tensor | None  # [q_len, num_cached + q_len] bool when num_cached > 0
 
-    def to(self, device: torch.device) -> PrefillSegment:
-        if self.context is None:
+    def to(self, device) -> PrefillSegment:
+        if self.block_ids is None:
             return self
         return PrefillSegment(
-            self.q_start, self.q_len, self.num_cached, self.context.to(device), _move(self.mask, device)
+            self.q_start, self.q_len, self.num_cached, _move(self.block_ids, device), _move(self.mask, device)
         )
 
 
 @dataclass
 class AttentionMetadata:
-    """One step's layout. Rows [0, num_decodes) are single-token queries (decodes), batched
-    into one padded SDPA call; the prefill segments follow."""
+    """One step's layout. Rows [0, num_decodes) are single-token queries (decodes); the
+    prefill segments follow."""
 
     slot_blocks: torch.Tensor  # [T] long: block id where each new token's K/V goes
     slot_offsets: torch.Tensor  # [T] long: offset inside that block
     num_decodes: int
-    decode_context: ContextIndex | None  # [R, S_max]; padding repeats the last real token
-    decode_mask: torch.Tensor | None  # [R, 1, 1, S_max] bool
+    decodes: DecodeBatch | None
     prefills: list[PrefillSegment]
 
-    def to(self, device: torch.device) -> AttentionMetadata:
+    def to(self, device) -> AttentionMetadata:
         """Built on the host (small Python lists), then moved in one go."""
         return AttentionMetadata(
             slot_blocks=_move(self.slot_blocks, device),
             slot_offsets=_move(self.slot_offsets, device),
             num_decodes=self.num_decodes,
-            decode_context=None if self.decode_context is None else self.decode_context.to(device),
-            decode_mask=None if self.decode_mask is None else _move(self.decode_mask, device),
+            decodes=None if self.decodes is None else self.decodes.to(device),
             prefills=[seg.to(device) for seg in self.prefills],
         )
 
 
-def _move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _move(t: torch.Tensor, device) -> torch.Tensor:
     return t if t.device == torch.device(device) else t.to(device, non_blocking=True)
 
 
@@ -95,7 +98,7 @@ def build_metadata(
     num_new: list[int],
     block_tables: list[list[int]],
     block_size: int,
-    device: torch.device,
+    device,
 ) -> AttentionMetadata:
     """Metadata for requests laid out in this order (all single-token ones first).
 
@@ -105,9 +108,9 @@ def build_metadata(
     if any(n == 1 for n in num_new[num_decodes:]):
         raise ValueError("single-token requests must come first in a step")
     blocks, offsets = slot_mapping(num_cached, num_new, block_tables, block_size)
-    context, mask = None, None
+    decodes = None
     if num_decodes:
-        context, mask = _decode_context(num_cached[:num_decodes], block_tables[:num_decodes], block_size)
+        decodes = _decode_batch(num_cached[:num_decodes], block_tables[:num_decodes], block_size)
     prefills = []
     q_start = num_decodes
     for c, n, table in zip(num_cached[num_decodes:], num_new[num_decodes:], block_tables[num_decodes:]):
@@ -117,8 +120,7 @@ def build_metadata(
         slot_blocks=torch.tensor(blocks, dtype=torch.long),
         slot_offsets=torch.tensor(offsets, dtype=torch.long),
         num_decodes=num_decodes,
-        decode_context=context,
-        decode_mask=mask,
+        decodes=decodes,
         prefills=prefills,
     ).to(device)
 
@@ -130,8 +132,7 @@ def slot_mapping(
     blocks: list[int] = []
     offsets: list[int] = []
     for c, n, table in zip(num_cached, num_new, block_tables):
-        need = -(-(c + n) // block_size)
-        if len(table) < need:
+        if len(table) < -(-(c + n) // block_size):
             raise ValueError(f"block table of {len(table)} blocks cannot hold {c + n} tokens")
         for p in range(c, c + n):
             blocks.append(table[p // block_size])
@@ -146,32 +147,27 @@ def _count_leading_decodes(num_new: list[int]) -> int:
     return i
 
 
-def _decode_context(
-    num_cached: list[int], block_tables: list[list[int]], block_size: int
-) -> tuple[ContextIndex, torch.Tensor]:
-    ctx = torch.tensor([c + 1 for c in num_cached])  # [R] keys per request, new one included
-    max_ctx = int(ctx.max())
-    max_blocks = -(-max_ctx // block_size)
-    tables = torch.zeros(len(num_cached), max_blocks, dtype=torch.long)  # [R, nb]
-    for i, table in enumerate(block_tables):
-        row = table[:max_blocks]
-        tables[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    keys = torch.arange(max_ctx)[None, :]  # [1, S]
-    pos = torch.minimum(keys, ctx[:, None] - 1)  # [R, S]: padding repeats the last real token
-    context = ContextIndex(tables.gather(1, pos // block_size), pos % block_size)
-    mask = (keys < ctx[:, None])[:, None, None, :]  # [R, 1, 1, S]
-    return context, mask
+def _decode_batch(num_cached: list[int], block_tables: list[list[int]], block_size: int) -> DecodeBatch:
+    ctx = torch.tensor([c + 1 for c in num_cached])  # [R] keys per request, the new one included
+    max_blocks = -(-int(ctx.max()) // block_size)
+    rows = []
+    for c, table in zip(ctx.tolist(), block_tables):
+        used = table[: -(-c // block_size)]
+        rows.append(used + [used[0]] * (max_blocks - len(used)))
+    keys = torch.arange(max_blocks * block_size)[None, :]  # [1, S]
+    valid = keys < ctx[:, None]  # [R, S]
+    pad_rows, pad_keys = (~valid).nonzero(as_tuple=True)
+    return DecodeBatch(torch.tensor(rows, dtype=torch.long), pad_rows, pad_keys, valid[:, None, None, :])
 
 
 def _prefill_segment(q_start: int, num_cached: int, q_len: int, table: list[int], block_size: int) -> PrefillSegment:
     if num_cached == 0:
         return PrefillSegment(q_start, q_len, 0, None, None)
     total = num_cached + q_len
-    pos = torch.arange(total)
-    context = ContextIndex(torch.tensor(table, dtype=torch.long)[pos // block_size], pos % block_size)
+    block_ids = torch.tensor(table[: -(-total // block_size)], dtype=torch.long)
     rows = torch.arange(q_len)[:, None] + num_cached
-    mask = pos[None, :] <= rows  # [q_len, total]
-    return PrefillSegment(q_start, q_len, num_cached, context, mask)
+    mask = torch.arange(total)[None, :] <= rows  # [q_len, total]
+    return PrefillSegment(q_start, q_len, num_cached, block_ids, mask)
 
 
 # ---------------------------------------------------------------- the seam
@@ -197,14 +193,14 @@ def paged_attention(
     out = torch.empty_like(q)
     r = meta.num_decodes
     if r:
-        out[:r] = _decode_attention(q[:r], kv_layer, meta)
+        out[:r] = _decode_attention(q[:r], kv_layer, meta.decodes)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_layer, seg)
     return out
 
 
-def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     """All single-token queries in one padded SDPA call.
 
     The query heads of one KV group ride in SDPA's query-length slot, so grouped-query
@@ -212,11 +208,12 @@ def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv = kv_layer.shape[3]
-    k, v = gather_context(kv_layer, meta.decode_context)  # [R, S, KV, D] each
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [R, KV, S, D]
+    k, v = gather_blocks(kv_layer, batch.block_ids)  # [R, S, KV, D] each
+    k[batch.pad_rows, batch.pad_keys] = 0.0  # whatever the pool held there, make it finite
+    v[batch.pad_rows, batch.pad_keys] = 0.0
     qg = q.view(num_rows, num_kv, num_heads // num_kv, head_dim)  # [R, KV, G, D]
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask)  # [R, KV, G, D]
-    return out.reshape(num_rows, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.mask)
+    return out.reshape(num_rows, num_heads, head_dim)  # from [R, KV, G, D]
 
 
 def _prefill_attention(
@@ -229,12 +226,22 @@ def _prefill_attention(
         vh = v.transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
-        kc, vc = gather_context(kv_layer, seg.context)  # [S, KV, D] each
-        kh, vh = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]  # [1, KV, S, D]
+        total = seg.num_cached + seg.q_len
+        kc, vc = gather_blocks(kv_layer, seg.block_ids)  # [S, KV, D] each, S >= total
+        kh = kc[:total].transpose(0, 1)[None]  # [1, KV, total, D]
+        vh = vc[:total].transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seg.mask, enable_gqa=True)
     return out[0].transpose(0, 1)  # [n, H, D]
 
 
-def gather_context(kv_layer: torch.Tensor, ctx: ContextIndex) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the indexed slots. kv_layer: [N, 2, B, KV, D] -> two [..., S, KV, D]."""
-    return kv_layer[:, 0][ctx.blocks, ctx.offsets], kv_layer[:, 1][ctx.blocks, ctx.offsets]
+def gather_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the K and V of whole blocks, one contiguous copy per block.
+
+    kv_layer: [N, 2, B, KV, D]; block_ids: [..., nb] -> k, v: [..., nb * B, KV, D]
+    """
+    _, _, block_size, num_kv, head_dim = kv_layer.shape
+    flat = block_ids.reshape(-1)
+    shape = (*block_ids.shape[:-1], block_ids.shape[-1] * block_size, num_kv, head_dim)
+    k = kv_layer[:, 0].flatten(1).index_select(0, flat).view(shape)
+    v = kv_layer[:, 1].flatten(1).index_select(0, flat).view(shape)
+    return k, v

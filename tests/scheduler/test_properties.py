@@ -5,7 +5,7 @@ every result, and liveness once arrivals stop."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler.core import POLICIES, SchedulerConfig, SchedulerCore
@@ -69,6 +69,10 @@ def pipelined(d: Driver) -> None:
     core.check_invariants()
     p1 = core.schedule(d.now)
     core.check_invariants()
+    if p0 is not None and p1 is not None:
+        # p1's copies run while p0's may still be in flight: no block p0 reads is overwritten.
+        assert not {h for h, _ in p0.swap_out} & {h for _, h in p1.swap_in}, "swap-in over an in-flight swap-out"
+        assert not {d for d, _ in p0.swap_in} & {d for _, d in p1.swap_out + p1.eager}, "DRAM source overwritten"
     for plan in (p0, p1):
         if plan is not None:
             result = d.worker.execute(plan)
@@ -129,8 +133,30 @@ def play(policy: str, c: dict, reqs: list, script: list, seed: int) -> None:
     assert not core.running and not core.requests
 
 
+def _tight(max_batched_tokens: int, max_num_seqs: int, xfer_budget: int) -> dict:
+    """A tiny HBM and no DRAM: every rotation is a recompute (livelock hunting ground)."""
+    return {
+        "hbm_tokens": 80, "dram_tokens": 0, "block_size": 1, "max_batched_tokens": max_batched_tokens,
+        "max_num_seqs": max_num_seqs, "xfer_budget": xfer_budget, "eager_rotation": False,
+        "tbt_slo": 0.01, "ttft_slo": 0.05, "beta_b": 0.0, "alpha": 1.0,
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize("policy", POLICIES)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(c=configs, reqs=requests, script=ops, seed=st.integers(0, 2**16))
+# Found livelocks: LVF evicting a request mid-prefill by recompute, again and again.
+@example(
+    c=_tight(21, 4, 24),
+    reqs=[(16, 8, False), (23, 2, False), (24, 2, False), (23, 1, False)],
+    script=[("add",)],
+    seed=0,
+)
+@example(
+    c=_tight(7, 3, 1),
+    reqs=[(37, 1, False), (1, 10, True), (13, 4, True), (16, 1, False), (3, 2, True), (37, 1, False)],
+    script=[("step",)],
+    seed=0,
+)
 def test_random_workloads_keep_invariants_and_finish(policy, c, reqs, script, seed):
     play(policy, c, reqs, script, seed)

@@ -13,22 +13,26 @@ Mirrors are always a prefix of the block table because blocks fill in order.
 Reuse rule (the only place it is written down)
 ----------------------------------------------
 The worker applies a plan's copies and compute concurrently (swap-in on the host->device
-stream, swap-out and eager copies on the device->host stream, full duplex). So:
+stream, swap-out and eager copies on the device->host stream, full duplex), and with the
+cross-iteration pipeline it starts plan t+1's copies while plan t still runs. So:
 
-1. A block that a plan *reads* in a copy is not handed out again in that same plan:
-   an HBM block that is the source of a swap-out and a DRAM block that is the source of a
-   swap-in are released with `defer()` and become free when the plan is finished
-   (`release_deferred()`), i.e. usable from the next plan on. Hence a swap-in never
-   targets an HBM block whose swap-out is still in flight in the same step.
+1. A block that a plan *reads* in a copy is not handed out again until that plan's
+   result has come back (`update`): an HBM block that is the source of a swap-out and a
+   DRAM block that is the source of a swap-in are released with `defer(ids, step_id)`
+   and become free in `release_through(step_id)`. Hence a swap-in never targets an HBM
+   block whose swap-out is still in flight, neither in the same step nor in a plan
+   built while that step runs. (The worker reports a step only once its copies are done.)
 2. A block whose content is no longer needed (a finished, aborted or recompute-preempted
    request, or a synced HBM block that already has a DRAM mirror) is freed at once and may
    be a swap-in target or a compute target in the same plan. This is what eager rotation
    buys: a preempted request's mirrored blocks are reusable immediately and only its
    dirty last block is copied.
-3. Across plans, the worker keeps per-block events: a copy that touches a block waits for
-   the earlier plan's compute or copy that touched it (plans are applied in order). In
-   particular, when plan t+1 is planned while t runs, a swap-in of t+1 may target a block
-   that t's compute still reads (its previous owner was preempted or finished in t+1).
+3. Plans are applied in order, and the worker keeps per-block events for the rest: a
+   copy or compute that touches a block waits for the earlier plan's compute or copy of
+   that block. In particular, when plan t+1 is built while t runs, a swap-in of t+1 may
+   target a block freed under rule 2 that t's compute still reads, an eager copy or a
+   swap-out of t+1 may read a block that t's compute is still writing, and a DRAM block
+   freed under rule 2 may be written by t+1 while t's copy into it is still running.
 """
 
 from __future__ import annotations
@@ -41,15 +45,12 @@ class BlockPool:
         self.name = name
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._deferred: list[int] = []
+        self._deferred: list[tuple[int, list[int]]] = []  # (step id, blocks), step ids ascending
+        self.num_deferred = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
-
-    @property
-    def num_deferred(self) -> int:
-        return len(self._deferred)
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
@@ -67,14 +68,21 @@ class BlockPool:
     def free(self, ids: list[int]) -> None:
         self._free.extend(reversed(ids))
 
-    def defer(self, ids: list[int]) -> None:
-        """Free once the current plan is finished (rule 1 above)."""
-        self._deferred.extend(ids)
+    def defer(self, ids: list[int], step_id: int) -> None:
+        """Free once the result of step `step_id` is in (rule 1 above)."""
+        if not ids:
+            return
+        if self._deferred and self._deferred[-1][0] == step_id:
+            self._deferred[-1][1].extend(ids)
+        else:
+            self._deferred.append((step_id, list(ids)))
+        self.num_deferred += len(ids)
 
-    def release_deferred(self) -> None:
-        if self._deferred:
-            self._free.extend(self._deferred)
-            self._deferred.clear()
+    def release_through(self, step_id: int) -> None:
+        while self._deferred and self._deferred[0][0] <= step_id:
+            _, ids = self._deferred.pop(0)
+            self._free.extend(ids)
+            self.num_deferred -= len(ids)
 
     def free_ids(self) -> list[int]:
-        return self._free + self._deferred
+        return self._free + [b for _, ids in self._deferred for b in ids]

@@ -26,7 +26,7 @@ class SchedulerConfig:
     tbt_slo: float = 0.1
     xfer_budget: int = 2400  # B_xfer: blocks moved per step at most
     eager_rotation: bool = True
-    max_waiting: int = 0  # requests not on the GPU at most; 0 = unbounded
+    max_waiting: int = 0  # WAITING requests (no KV yet) at most; 0 = unbounded
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

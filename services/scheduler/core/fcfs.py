@@ -3,14 +3,43 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from .queues import RequestHeap
 from .request import Request, Status
 from .step import Step
 
 if TYPE_CHECKING:
     from .scheduler import SchedulerCore
+
+
+def schedule_fcfs(core: SchedulerCore, step: Step) -> None:
+    """The fcfs, sf and wf policies, and lvf while HBM holds every live request.
+    As vLLM, a step that had to preempt admits nobody."""
+    schedule_running(core, step, sorted(core.running.values(), key=lambda r: r.seq))
+    if step.num_preempted:
+        return
+    policy = core.cfg.policy
+    queues = [core.q_waiting, core.q_rotary] if policy == "wf" else [core.q_rotary, core.q_waiting]
+    try:
+        admit_in_order(core, step, admission_order(policy, queues))
+    finally:
+        for q in queues:
+            q.restore()
+
+
+def admission_order(policy: str, queues: list[RequestHeap]) -> Iterator[Request]:
+    """sf: rotary then waiting; wf: waiting then rotary; fcfs/lvf: both by arrival."""
+    streams = [q.iter_sorted() for q in queues]
+    if policy in ("sf", "wf"):
+        merged = itertools.chain(*streams)
+    else:
+        merged = heapq.merge(*streams, key=lambda e: e[0])
+    for _, req in merged:
+        yield req
 
 
 def schedule_running(core: SchedulerCore, step: Step, order: list[Request]) -> None:
@@ -64,11 +93,9 @@ def admit_in_order(core: SchedulerCore, step: Step, candidates: Iterable[Request
             return
         if len(core.running) >= core.cfg.max_num_seqs:
             return
-        if req.preempted_step == step.step_id or req.num_pending:
+        if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
             continue  # not back in the step that evicted it; or its sample is in flight
         num_new = min(req.num_schedulable(), step.tokens_left)
-        if num_new == 0:
-            continue
         need = memory.blocks_needed(req, num_new)
         step.num_blocks_wanted += need
         if req.status is Status.ROTARY:

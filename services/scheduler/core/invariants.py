@@ -41,13 +41,17 @@ def _check_request(core: SchedulerCore, req) -> None:
     assert 0 <= req.num_pending, f"{rid}: negative pending samples"
     assert req.num_computed_tokens <= req.num_known, f"{rid}: computed past its known tokens"
     if req.status is Status.RUNNING:
-        assert len(req.hbm_blocks) == num_kv_blocks, f"{rid}: RUNNING with {len(req.hbm_blocks)} HBM blocks for {req.num_computed_tokens} tokens"
-        assert len(req.dram_blocks) <= req.num_computed_tokens // bs, f"{rid}: DRAM mirror of a block that is not synced"
+        assert len(req.hbm_blocks) == num_kv_blocks, (
+            f"{rid}: RUNNING with {len(req.hbm_blocks)} HBM blocks for {req.num_computed_tokens} tokens"
+        )
+        assert len(req.dram_blocks) <= req.num_computed_tokens // bs, f"{rid}: DRAM mirror of an unsynced block"
         assert core.running.get(rid) is req, f"{rid}: RUNNING but not in the running set"
     elif req.status is Status.ROTARY:
         assert not req.hbm_blocks, f"{rid}: ROTARY but holds HBM blocks"
         assert req.num_computed_tokens > 0, f"{rid}: ROTARY without KV"
-        assert len(req.dram_blocks) == num_kv_blocks, f"{rid}: ROTARY KV incomplete in DRAM ({len(req.dram_blocks)}/{num_kv_blocks})"
+        assert len(req.dram_blocks) == num_kv_blocks, (
+            f"{rid}: ROTARY KV incomplete in DRAM ({len(req.dram_blocks)}/{num_kv_blocks})"
+        )
     elif req.status is Status.WAITING:
         assert not req.hbm_blocks and not req.dram_blocks, f"{rid}: WAITING but holds blocks"
         assert req.num_computed_tokens == 0, f"{rid}: WAITING with computed tokens"
@@ -71,7 +75,8 @@ def _check_step(core: SchedulerCore) -> None:
     num_tokens = sum(r.step_new_tokens for r in step.scheduled)
     assert num_tokens <= core.cfg.max_batched_tokens, f"step {step.step_id}: {num_tokens} tokens over budget"
     if step.num_preempted:
-        assert not step.fits_all or core.cfg.policy != "lvf", f"step {step.step_id} rotated although HBM held everything"
+        lvf_fits = step.fits_all and core.cfg.policy == "lvf"
+        assert not lvf_fits, f"step {step.step_id} rotated although HBM held everything"
         assert step.free_hbm_at_start < step.num_blocks_wanted, (
             f"step {step.step_id} preempted with spare HBM ({step.free_hbm_at_start} free, "
             f"{step.num_blocks_wanted} wanted)"

@@ -63,8 +63,8 @@ def admit_lagging(
     memory = core.memory
     num_decodes = sum(1 for r in order if r.num_schedulable() == 1)  # token reserve
     for v, req in candidates:
-        if req.preempted_step == step.step_id or req.num_pending:
-            continue
+        if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
+            continue  # evicted this step, or its sample is in flight
         num_new = min(req.num_schedulable(), step.tokens_left - num_decodes)
         if num_new <= 0 or step.seqs_left - num_decodes <= 0:
             return
@@ -105,7 +105,7 @@ def _displace(core: SchedulerCore, step: Step, req: Request, need: int, order: l
         if num_copy > step.moves_left - len(req.dram_blocks):
             break  # its swap-out and req's swap-in would exceed B_xfer
         is_decode = victim.num_schedulable() == 1
-        if core.preempt(victim, step, recompute_ok=True):
+        if core.preempt(victim, step, recompute_ok=victim.sampled_since_run_start()):
             num_decodes += is_decode
     return num_decodes
 

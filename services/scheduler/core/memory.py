@@ -61,7 +61,7 @@ class Memory:
 
     def preempt_swap(self, req: Request, step: Step) -> None:
         """Move `req` to DRAM: mirrored blocks are freed now, the rest is copied and freed
-        after the plan. Call `can_swap_out` first."""
+        once the plan is done. Call `can_swap_out` first."""
         num_mirrored = len(req.dram_blocks)
         src = req.hbm_blocks[num_mirrored:]
         dst = self.dram.allocate(len(src))
@@ -69,7 +69,7 @@ class Memory:
         step.moves_left -= len(src)
         self.num_swapped_out += len(src)
         self.hbm.free(req.hbm_blocks[:num_mirrored])
-        self.hbm.defer(src)
+        self.hbm.defer(src, step.step_id)
         req.dram_blocks += dst
         req.hbm_blocks = []
         req.num_sent_blocks = 0
@@ -98,14 +98,14 @@ class Memory:
 
     def swap_in(self, req: Request, step: Step) -> None:
         """Bring a ROTARY request's KV back to HBM. Synced DRAM blocks stay as mirrors when
-        eager rotation is on; the others are freed after the plan (they are read by it)."""
+        eager rotation is on; the others are freed once the plan is done (it reads them)."""
         src = req.dram_blocks
         dst = self.hbm.allocate(len(src))
         step.swap_in += zip(src, dst)
         step.moves_left -= len(src)
         self.num_swapped_in += len(src)
         num_keep = req.num_computed_tokens // self.block_size if self.mirrors else 0
-        self.dram.defer(src[num_keep:])
+        self.dram.defer(src[num_keep:], step.step_id)
         req.dram_blocks = src[:num_keep]
         req.hbm_blocks = dst
         req.table_reset = True
@@ -138,6 +138,7 @@ class Memory:
             self.num_mirrored += num_copy
             req.dram_blocks += dst
 
-    def end_plan(self) -> None:
-        self.hbm.release_deferred()
-        self.dram.release_deferred()
+    def step_done(self, step_id: int) -> None:
+        """The result of `step_id` is in: its copies are finished."""
+        self.hbm.release_through(step_id)
+        self.dram.release_through(step_id)

@@ -6,14 +6,12 @@ drive the same code.
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from collections.abc import Iterator
 
 from shared.protocol import AddRequest, NewRequestData, Plan, ScheduledRequest, StepResult, TokenOutput
 
 from .config import SchedulerConfig
-from .fcfs import admit_in_order, schedule_running
+from .fcfs import schedule_fcfs
 from .invariants import check_invariants
 from .lvf import schedule_lvf
 from .memory import Memory
@@ -90,9 +88,9 @@ class SchedulerCore:
             )
         if blocks_for(total, self.cfg.block_size) > self.memory.hbm.num_blocks:
             raise ValueError(f"prompt + max_tokens ({total} tokens) exceeds the whole KV-cache")
-        num_paused = len(self.requests) - len(self.running)
-        if self.cfg.max_waiting and num_paused >= self.cfg.max_waiting:
-            raise Overloaded(f"{num_paused} requests are waiting; try again later")
+        num_waiting = len(self.q_waiting)
+        if self.cfg.max_waiting and num_waiting >= self.cfg.max_waiting:
+            raise Overloaded(f"{num_waiting} requests are waiting; try again later")
 
     def abort_request(self, request_id: str, now: float) -> TokenOutput | None:
         req = self.requests.get(request_id)
@@ -104,8 +102,9 @@ class SchedulerCore:
     # ------------------------------------------------------------ results in
 
     def update(self, result: StepResult, now: float) -> list[TokenOutput]:
-        """Append sampled tokens. Tokens of requests that finished or were aborted since
-        their step was planned are ignored."""
+        """Append sampled tokens and release the blocks the step copied from. Tokens of
+        requests that finished or were aborted since their step was planned are ignored."""
+        self.memory.step_done(result.step_id)
         outputs: list[TokenOutput] = []
         for request_id, token in zip(result.request_ids, result.token_ids):
             req = self.requests.get(request_id)
@@ -142,7 +141,8 @@ class SchedulerCore:
     # ------------------------------------------------------------ the step
 
     def schedule(self, now: float) -> Plan | None:
-        """Plan one step; None when there is nothing to compute, copy or drop."""
+        """Plan one step; None when there is nothing to compute, copy, drop or preempt
+        (with no sample in flight, None while requests are live would be a bug)."""
         cfg, memory = self.cfg, self.memory
         step = Step(
             step_id=self.step_id,
@@ -156,24 +156,14 @@ class SchedulerCore:
         if cfg.policy == "lvf" and not step.fits_all:
             schedule_lvf(self, step)
         else:
-            order = sorted(self.running.values(), key=_by_seq)
-            schedule_running(self, step, order)
-            if step.num_preempted == 0:
-                with _restoring(self._fcfs_queues()) as queues:
-                    admit_in_order(self, step, _fcfs_candidates(cfg.policy, queues))
+            schedule_fcfs(self, step)
         if cfg.mirrors:
             memory.mirror(self.running.values(), step)
         for req in step.scheduled:
             self._track_demand(req)
         self.last_step = step
-        plan = self._build_plan(step) if step.scheduled or step.num_moved or self.pending_drops else None
-        memory.end_plan()
-        return plan
-
-    def _fcfs_queues(self) -> list[RequestHeap]:
-        if self.cfg.policy == "wf":
-            return [self.q_waiting, self.q_rotary]
-        return [self.q_rotary, self.q_waiting]
+        busy = step.scheduled or step.num_moved or step.num_preempted or self.pending_drops
+        return self._build_plan(step) if busy else None
 
     def _build_plan(self, step: Step) -> Plan:
         new_requests: list[NewRequestData] = []
@@ -285,10 +275,6 @@ class SchedulerCore:
         check_invariants(self)
 
 
-def _by_seq(req: Request) -> int:
-    return req.seq
-
-
 def _scheduled_entry(req: Request) -> ScheduledRequest:
     entry = ScheduledRequest(
         req.request_id, req.num_computed_tokens - req.step_new_tokens, req.step_new_tokens
@@ -300,28 +286,3 @@ def _scheduled_entry(req: Request) -> ScheduledRequest:
         entry.new_block_ids = req.hbm_blocks[req.num_sent_blocks :]
     req.num_sent_blocks = len(req.hbm_blocks)
     return entry
-
-
-def _fcfs_candidates(policy: str, queues: list[RequestHeap]) -> Iterator[Request]:
-    """sf: rotary then waiting; wf: waiting then rotary; fcfs/lvf: both by arrival."""
-    streams = [q.iter_sorted() for q in queues]
-    if policy in ("sf", "wf"):
-        merged = itertools.chain(*streams)
-    else:
-        merged = heapq.merge(*streams, key=lambda e: e[0])
-    for _, req in merged:
-        yield req
-
-
-class _restoring:
-    """Context manager that puts back the heads a step looked at but did not take."""
-
-    def __init__(self, queues: list[RequestHeap]):
-        self.queues = queues
-
-    def __enter__(self) -> list[RequestHeap]:
-        return self.queues
-
-    def __exit__(self, *exc) -> None:
-        for q in self.queues:
-            q.restore()
