@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import json
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-len", type=int, default=128, help="prompt length before decode steps")
     parser.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per repetition")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine, CPU only)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
     ours = LlamaModel(cfg, weights).to(device).eval()
     theirs = transformers_model(cfg, weights).to(device)
     gen = torch.Generator().manual_seed(0)
+    timer = Timer(device, time.process_time if args.clock == "cpu" else time.perf_counter)
     results = {
-        "prefill_tok_s": _prefill(ours, theirs, cfg, device, args, gen),
-        "decode_ms_b1": _decode(ours, theirs, cfg, device, args, gen, batch=1),
-        "decode_ms_b16": _decode(ours, theirs, cfg, device, args, gen, batch=16),
+        "prefill_tok_s": _prefill(ours, theirs, cfg, timer, args, gen),
+        "decode_ms_b1": _decode(ours, theirs, cfg, timer, args, gen, batch=1),
+        "decode_ms_b16": _decode(ours, theirs, cfg, timer, args, gen, batch=16),
     }
     results["speedup"] = speedups(results)
     results["setup"] = _setup(cfg, device, args)
@@ -131,7 +141,24 @@ def format_table(results: dict) -> str:
 # ---------------------------------------------------------------- measurements
 
 
-def _prefill(ours, theirs, cfg, device, args, gen) -> dict[str, float]:
+@dataclass
+class Timer:
+    device: torch.device
+    clock: Callable[[], float]
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.clock()
+
+    def time(self, fn) -> float:
+        t0 = self.now()
+        fn()
+        return self.now() - t0
+
+
+def _prefill(ours, theirs, cfg, timer: Timer, args, gen) -> dict[str, float]:
+    device = timer.device
     prompt = _random_prompt(cfg, args.prompt_len, gen)
     runner = _runner(ours, cfg, device, num_tokens=args.prompt_len + 1, batch=1)
     ids = torch.tensor([prompt], device=device)
@@ -140,10 +167,10 @@ def _prefill(ours, theirs, cfg, device, args, gen) -> dict[str, float]:
         rid = f"p{rep}"
         runner.add_requests([_greedy_request(rid, prompt)])
         step = [ScheduledRequest(rid, 0, len(prompt), block_table=_table(0, len(prompt) + 1))]
-        t_ours = _timed(lambda: runner.execute(step), device)
+        t_ours = timer.time(lambda: runner.execute(step))
         runner.drop([rid])
         with torch.inference_mode():
-            t_theirs = _timed(lambda: theirs.generate(ids, max_new_tokens=1, do_sample=False), device)
+            t_theirs = timer.time(lambda: theirs.generate(ids, max_new_tokens=1, do_sample=False))
         if rep:
             ours_s.append(t_ours)
             theirs_s.append(t_theirs)
@@ -151,9 +178,10 @@ def _prefill(ours, theirs, cfg, device, args, gen) -> dict[str, float]:
     return {"ours": n / statistics.median(ours_s), "transformers": n / statistics.median(theirs_s)}
 
 
-def _decode(ours, theirs, cfg, device, args, gen, batch: int) -> dict[str, float]:
+def _decode(ours, theirs, cfg, timer: Timer, args, gen, batch: int) -> dict[str, float]:
     from transformers import DynamicCache
 
+    device = timer.device
     prompts = [_random_prompt(cfg, args.context_len, gen) for _ in range(batch)]
     max_len = args.context_len + args.decode_steps + 1
     runner = _runner(ours, cfg, device, num_tokens=max_len, batch=batch)
@@ -169,23 +197,28 @@ def _decode(ours, theirs, cfg, device, args, gen, batch: int) -> dict[str, float
             ]
         )
         with torch.inference_mode():
-            cache = DynamicCache()
-            out = theirs(torch.tensor(prompts, device=device), past_key_values=cache, use_cache=True)
+            cache = {_cache_kwarg(theirs): DynamicCache()}
+            out = theirs(torch.tensor(prompts, device=device), use_cache=True, **cache)
             next_ids = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
         for _ in range(args.decode_steps):
             n = len(runner.token_ids(rids[0]))
             step = [ScheduledRequest(rid, n - 1, 1) for rid in rids]
-            t_ours = _timed(lambda: runner.execute(step), device)
+            t_ours = timer.time(lambda: runner.execute(step))
             with torch.inference_mode():
-                t0 = _now(device)
-                out = theirs(next_ids, past_key_values=cache, use_cache=True)
+                t0 = timer.now()
+                out = theirs(next_ids, use_cache=True, **cache)
                 next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
-                t_theirs = _now(device) - t0
+                t_theirs = timer.now() - t0
             if rep:
                 ours_ms.append(t_ours * 1e3)
                 theirs_ms.append(t_theirs * 1e3)
         runner.drop(rids)
     return {"ours": statistics.median(ours_ms), "transformers": statistics.median(theirs_ms)}
+
+
+def _cache_kwarg(model) -> str:
+    """The KV-cache argument's name: `cache` in recent transformers, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _runner(model, cfg, device, num_tokens: int, batch: int) -> ModelRunner:
@@ -206,18 +239,6 @@ def _random_prompt(cfg: ModelConfig, n: int, gen: torch.Generator) -> list[int]:
     return torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
 
 
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def _timed(fn, device: torch.device) -> float:
-    t0 = _now(device)
-    fn()
-    return _now(device) - t0
-
-
 def _setup(cfg: ModelConfig, device: torch.device, args) -> dict:
     import transformers
 
@@ -229,6 +250,7 @@ def _setup(cfg: ModelConfig, device: torch.device, args) -> dict:
         "context_len": args.context_len,
         "decode_steps": args.decode_steps,
         "repeats": args.repeats,
+        "clock": args.clock,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }

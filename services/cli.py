@@ -70,6 +70,14 @@ def _scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-num-seqs", type=int, default=config.DEFAULT_MAX_NUM_SEQS, help="requests per step at most"
     )
+    g.add_argument(
+        "--pipeline-depth",
+        type=int,
+        choices=[1, 2],
+        default=2,
+        help="plans in flight at the worker: 2 builds step t+1 while t computes (default), 1 waits",
+    )
+    g.add_argument("--step-trace", default=None, metavar="PATH", help="append one JSON line per step to PATH")
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:

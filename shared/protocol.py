@@ -162,10 +162,16 @@ class WorkerReady(_Msg, tag="ready"):
 
 
 class StepTimings(_Data):
+    """Where a step's wall time went on the worker (seconds)."""
+
+    # Copies of this step: swap-ins, swap-outs and eager mirrors, both directions.
     transfer_s: float = 0.0
     compute_s: float = 0.0
-    # Seconds compute waited for transfers this step reads.
-    stall_s: float = 0.0
+    # Compute waited this long for the swap-ins it reads (a transfer stall).
+    transfer_wait_s: float = 0.0
+    # The worker sat idle this long between its previous step and this plan (a plan stall
+    # when the scheduler had work).
+    plan_wait_s: float = 0.0
 
 
 class StepResult(_Msg, tag="result"):

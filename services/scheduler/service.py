@@ -15,7 +15,7 @@ import dataclasses
 import signal
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import msgspec
 import zmq
@@ -29,6 +29,7 @@ MAX_RECV_PER_TICK = 256
 STATS_INTERVAL_S = 1.0
 STATS_MIN_GAP_S = 0.05
 INVARIANT_CHECK_EVERY = 200  # steps
+STALL_THRESHOLD_S = 0.001
 
 
 def core_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -46,7 +47,15 @@ def core_config(args: argparse.Namespace) -> SchedulerConfig:
 
 
 class SchedulerService:
-    def __init__(self, cfg: SchedulerConfig, bind: str, worker_bind: str, log) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        bind: str,
+        worker_bind: str,
+        log,
+        pipeline_depth: int = 2,
+        step_trace: str | None = None,
+    ) -> None:
         self.cfg = cfg
         self.log = log
         self.id = f"sched-{uuid.uuid4().hex[:8]}"
@@ -58,7 +67,11 @@ class SchedulerService:
         self.owner: dict[str, bytes] = {}  # request_id -> gateway identity
         self.gateways: set[bytes] = set()
         self.pending: list[tuple[bytes, p.AddRequest]] = []  # arrived before the worker
-        self.in_flight: int | None = None  # step id sent to the worker
+        # Steps sent and not yet reported, oldest first: (step id, schedule seconds, after_idle).
+        self.in_flight: deque[tuple[int, float, bool]] = deque()
+        self.idle = True  # nothing in flight and nothing to schedule
+        self.pipeline_depth = pipeline_depth
+        self.trace = open(step_trace, "a", buffering=1) if step_trace else None
         self.num_steps = 0
         self.last_stats = 0.0
         self.stopping = False
@@ -163,7 +176,7 @@ class SchedulerService:
         # The worker owns the KV layout, so its block size wins.
         cfg = dataclasses.replace(self.cfg, block_size=ready.block_size)
         self.core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len)
-        self.in_flight = None
+        self.in_flight.clear()
         self.log.info(
             "worker ready",
             model=ready.model_name,
@@ -176,11 +189,13 @@ class SchedulerService:
             self._add(identity, req)
 
     def _on_result(self, result: p.StepResult) -> None:
-        if result.step_id != self.in_flight:
-            self.log.warning("stale step result", step_id=result.step_id, expected=self.in_flight)
+        if not self.in_flight or result.step_id != self.in_flight[0][0]:
+            self.log.warning("unexpected step result", step_id=result.step_id)
             return
-        self.in_flight = None
+        _, schedule_s, after_idle = self.in_flight.popleft()
         outputs = self.core.update(result, time.monotonic())
+        if self.trace:
+            self._trace(result, schedule_s, after_idle)
         by_owner: dict[bytes, list[p.TokenOutput]] = defaultdict(list)
         for out in outputs:
             owner = self.owner.get(out.request_id)
@@ -200,22 +215,54 @@ class SchedulerService:
             self._reply(owner, p.RequestError(rid, reason, "internal_error"))
         self.owner.clear()
         self.core = None
-        self.in_flight = None
+        self.in_flight.clear()
 
     # ------------------------------------------------------------ stepping and stats
 
     def _maybe_step(self) -> None:
-        if self.core is None or self.in_flight is not None:
-            return
-        plan = self.core.schedule(time.monotonic())
-        if plan is None:
-            return
-        self.back.send(p.encode(plan), flags=zmq.NOBLOCK)
-        self.in_flight = plan.step_id
+        """Keep up to `pipeline_depth` plans at the worker: plan t+1 is built and sent
+        while t computes (the core assumes one new token per decoding request)."""
+        while self.core is not None and len(self.in_flight) < self.pipeline_depth:
+            t0 = time.perf_counter()
+            plan = self.core.schedule(time.monotonic())
+            if plan is None:
+                self.idle = self.idle or not self.in_flight
+                return
+            self.back.send(p.encode(plan), flags=zmq.NOBLOCK)
+            self.in_flight.append((plan.step_id, time.perf_counter() - t0, self.idle))
+            self.idle = False
+
+    def _trace(self, result: p.StepResult, schedule_s: float, after_idle: bool) -> None:
+        """One JSON line per step; `stalled`: compute waited on a swap-in, or the busy
+        worker sat idle waiting for this plan (the first plan after an idle spell is no stall)."""
+        t = result.timings
+        stalled = t.transfer_wait_s > STALL_THRESHOLD_S or (
+            not after_idle and t.plan_wait_s > STALL_THRESHOLD_S
+        )
+        stats = self.core.stats()
+        self.trace.write(
+            msgspec.json.encode(
+                {
+                    "step_id": result.step_id,
+                    "t": time.time(),
+                    "schedule_s": schedule_s,
+                    "transfer_s": t.transfer_s,
+                    "compute_s": t.compute_s,
+                    "transfer_wait_s": t.transfer_wait_s,
+                    "plan_wait_s": t.plan_wait_s,
+                    "stalled": stalled,
+                    "num_tokens": len(result.token_ids),
+                    "num_running": stats["num_running"],
+                    "num_waiting": stats["num_waiting"],
+                    "num_rotary": stats["num_rotary"],
+                }
+            ).decode()
+            + "\n"
+        )
 
     def _maybe_send_stats(self) -> None:
         now = time.monotonic()
-        busy = self.in_flight is not None
+        busy = bool(self.in_flight)
         if now - self.last_stats < (STATS_MIN_GAP_S if busy else STATS_INTERVAL_S):
             return
         self.last_stats = now
@@ -244,6 +291,8 @@ class SchedulerService:
         )
 
     def close(self) -> None:
+        if self.trace:
+            self.trace.close()
         self.front.close()
         self.back.close()
         self.ctx.term()
@@ -251,7 +300,9 @@ class SchedulerService:
 
 def run(args: argparse.Namespace) -> int:
     log = setup_logging("scheduler", args.log_level)
-    service = SchedulerService(core_config(args), args.bind, args.worker_bind, log)
+    service = SchedulerService(
+        core_config(args), args.bind, args.worker_bind, log, args.pipeline_depth, args.step_trace
+    )
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -26,29 +26,38 @@ from shared.modelfile import resolve_model_path
 
 
 class StepExecutor:
-    """One Plan → one StepResult: transfers first, then the batched forward."""
+    """One Plan → one StepResult. Plans run strictly in order on one thread, so a step's
+    copies start only after the previous step's compute (the block reuse rule in
+    services/scheduler/core/blocks.py, part 3): swap-ins and swap-outs/eager mirrors run
+    at once on the two directions; compute waits only for the swap-ins it reads; the
+    out-direction copies overlap compute and finish before the step is reported."""
 
-    def __init__(self, runner: ModelRunner, engine) -> None:
+    def __init__(self, runner: ModelRunner, engine: TransferEngine) -> None:
         self.runner = runner
         self.engine = engine
 
-    def __call__(self, plan: p.Plan) -> p.StepResult:
+    def __call__(self, plan: p.Plan, plan_wait_s: float) -> p.StepResult:
         t0 = time.perf_counter()
+        self.runner.drop(plan.drop)
         self.runner.add_requests(plan.new_requests)
-        # Swap-outs read HBM blocks this step may reuse, so both directions finish before
-        # compute writes anything.
         transfer = self.engine.submit(plan.swap_in, plan.swap_out, plan.eager)
         transfer.wait_in()
-        transfer.wait_out()
         t1 = time.perf_counter()
-        self.runner.drop(plan.drop)
         ids, tokens = self.runner.execute(plan.scheduled)
         t2 = time.perf_counter()
+        transfer.wait_out()
+        t3 = time.perf_counter()
+        moved = plan.swap_in or plan.swap_out or plan.eager
         return p.StepResult(
             plan.step_id,
             ids,
             tokens,
-            p.StepTimings(transfer_s=t1 - t0, compute_s=t2 - t1, stall_s=t1 - t0),
+            p.StepTimings(
+                transfer_s=(t1 - t0) + (t3 - t2) if moved else 0.0,
+                compute_s=t2 - t1,
+                transfer_wait_s=t1 - t0 if plan.swap_in else 0.0,
+                plan_wait_s=plan_wait_s,
+            ),
         )
 
 
@@ -65,27 +74,38 @@ class WorkerService:
         self.stopping = False
 
     async def run(self) -> None:
+        """Receive plans as they come (the scheduler sends step t+1 while t computes) and
+        execute them in order on the step thread."""
         loop = asyncio.get_running_loop()
         await self.sock.send(p.encode(self.ready))
         self.log.info("worker up", hbm_blocks=self.ready.num_hbm_blocks, device=self.ready.device)
-        while not self.stopping:
+        plans: asyncio.Queue[tuple[p.Plan, float]] = asyncio.Queue()
+        runner = asyncio.create_task(self._execute_in_order(loop, plans))
+        while not self.stopping and not runner.done():
             if not await self.sock.poll(100, zmq.POLLIN):
                 continue
             payload = await self.sock.recv()
             try:
-                plan = p.worker_msg_decoder.decode(payload)
+                plans.put_nowait((p.worker_msg_decoder.decode(payload), time.perf_counter()))
             except msgspec.DecodeError as e:
                 self.log.warning("undecodable plan", error=str(e))
-                continue
+        runner.cancel()
+        self.sock.close()
+        self.ctx.term()
+        self.pool.shutdown(wait=False)
+
+    async def _execute_in_order(self, loop, plans: asyncio.Queue) -> None:
+        idle_since = time.perf_counter()
+        while True:
+            plan, arrived = await plans.get()
+            plan_wait_s = max(0.0, arrived - idle_since)
             try:
-                reply = await loop.run_in_executor(self.pool, self.execute, plan)
+                reply = await loop.run_in_executor(self.pool, self.execute, plan, plan_wait_s)
             except Exception as e:  # a failed step is reported, not fatal to the loop
                 self.log.exception("step failed", step_id=plan.step_id)
                 reply = p.WorkerError(plan.step_id, f"{type(e).__name__}: {e}")
             await self.sock.send(p.encode(reply))
-        self.sock.close()
-        self.ctx.term()
-        self.pool.shutdown(wait=False)
+            idle_since = time.perf_counter()
 
 
 def resolve_device(name: str) -> torch.device:
