@@ -79,13 +79,15 @@ class Shapes:
         return work, seconds
 
     def decodes(self, batch: int, context: int, num_steps: int) -> list[tuple[StepWork, float]]:
+        """Decode steps of `batch` requests whose context starts at `context` tokens. The
+        context is declared, not prefilled: a step's time depends on how many KV slots it
+        reads, not on their values (the pool is zeroed), and prefilling would cost minutes."""
         rids = [self._request(context) for _ in range(batch)]
         tables = {r: self._blocks(-(-(context + num_steps) // BLOCK_SIZE)) for r in rids}
-        self.runner.execute([ScheduledRequest(r, 0, context, block_table=tables[r]) for r in rids])  # untimed
         out = []
-        for _ in range(num_steps):
+        for i in range(num_steps):
             lens = {r: len(self.runner.token_ids(r)) for r in rids}
-            step = [ScheduledRequest(r, lens[r] - 1, 1) for r in rids]
+            step = [ScheduledRequest(r, lens[r] - 1, 1, block_table=tables[r] if i == 0 else None) for r in rids]
             seconds = _timed(self.runner, step)
             work = StepWork()
             for r in rids:
@@ -205,6 +207,7 @@ def measure_sched_ms(num_requests: int = 64, num_steps: int = 200) -> float:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice, as the worker)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every shape (default %(default)s)")
     p.add_argument("--dram-gb", type=float, default=2.0, help="DRAM pool of the live service, GiB (default %(default)s)")
     p.add_argument("--out", type=Path, default=PROFILE_DIR / "cpu.json", help="profile to write (default %(default)s)")
@@ -212,6 +215,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, cfg = load_model(resolve_model_path(args.model), "cpu")
     if (cfg.num_layers, cfg.hidden_size) != (MODELS["smollm2"].num_layers, MODELS["smollm2"].hidden_size):
         raise SystemExit("calibrate prices the bundled SmolLM2 (the `smollm2` model shape)")
@@ -238,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         "sched_ms": round(measure_sched_ms(), 4),
         "kv_hbm_gb": round(DEFAULT_CPU_MEMORY_FRACTION * available_ram_bytes() / GB, 3),
         "kv_dram_gb": round(args.dram_gb * (1 << 30) / GB, 3),
+        "threads": torch.get_num_threads(),
         "link": link,
         "defaults": {"max_batched_tokens": 512, "max_num_seqs": 64, "xfer_budget": 2400},
     }

@@ -33,7 +33,17 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bench.costmodel import MODELS, Hardware, ModelShape, StepWork, compute_time, load_hardware, num_kv_blocks, transfer_time
+from bench.costmodel import (
+    MODELS,
+    Hardware,
+    ModelShape,
+    StepWork,
+    check_pair,
+    compute_time,
+    load_hardware,
+    num_kv_blocks,
+    transfer_time,
+)
 from bench.report import RequestRecord, summarize
 from bench.workload import SyntheticSpec, WorkItem, arrival_times, load_workload, with_arrivals
 from services.scheduler.core import SchedulerConfig, SchedulerCore
@@ -348,6 +358,7 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
 
 def run(args: argparse.Namespace) -> int:
     hw, model = load_hardware(args.hardware), MODELS[args.model]
+    check_pair(hw, args.model)
     num = args.num_requests if args.duration_s is None else math.ceil(max(args.rates) * args.duration_s)
     items = load_items(args.dataset, num, args.seed, args.tokenizer, SyntheticSpec(args.input_len, args.output_len))
     jobs = jobs_from_args(args, hw, model)

@@ -106,6 +106,12 @@ class SchedulerStats(_Msg, tag="stats"):
     num_dram_blocks: int
     num_free_dram_blocks: int
     num_preemptions: int = 0
+    num_recomputes: int = 0
+    num_rotations_out: int = 0
+    num_rotations_in: int = 0
+    num_blocks_swapped_in: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_mirrored: int = 0
     worker_ready: bool = True
 
 

@@ -42,6 +42,9 @@ class GatewayMetrics:
         self.free_blocks = g("superinfer:kv_free_blocks", "Free KV blocks", ["tier"])
         self.total_blocks = g("superinfer:kv_total_blocks", "KV blocks", ["tier"])
         self.preemptions = g("superinfer:num_preemptions", "Preemptions reported by schedulers")
+        self.recomputes = g("superinfer:num_recomputes", "Preemptions that dropped KV for recompute")
+        self.rotations = g("superinfer:num_rotations", "Requests rotated between tiers", ["direction"])
+        self.blocks_moved = g("superinfer:kv_blocks_moved", "KV blocks copied between tiers", ["kind"])
 
     def observe_finished(self, timing: Timing, num_prompt_tokens: int, end: float) -> None:
         self.request_success.labels(finished_reason=timing.finish_reason or "unknown").inc()
@@ -63,6 +66,12 @@ class GatewayMetrics:
         self.waiting.set(sum(s.num_waiting for s in stats))
         self.rotary.set(sum(s.num_rotary for s in stats))
         self.preemptions.set(sum(s.num_preemptions for s in stats))
+        self.recomputes.set(sum(s.num_recomputes for s in stats))
+        self.rotations.labels(direction="out").set(sum(s.num_rotations_out for s in stats))
+        self.rotations.labels(direction="in").set(sum(s.num_rotations_in for s in stats))
+        self.blocks_moved.labels(kind="swap_out").set(sum(s.num_blocks_swapped_out for s in stats))
+        self.blocks_moved.labels(kind="swap_in").set(sum(s.num_blocks_swapped_in for s in stats))
+        self.blocks_moved.labels(kind="mirror").set(sum(s.num_blocks_mirrored for s in stats))
         self.free_blocks.labels(tier="hbm").set(sum(s.num_free_hbm_blocks for s in stats))
         self.free_blocks.labels(tier="dram").set(sum(s.num_free_dram_blocks for s in stats))
         self.total_blocks.labels(tier="hbm").set(sum(s.num_hbm_blocks for s in stats))

@@ -30,6 +30,8 @@ STATS_INTERVAL_S = 1.0
 STATS_MIN_GAP_S = 0.05
 INVARIANT_CHECK_EVERY = 200  # steps
 STALL_THRESHOLD_S = 0.001
+# SchedulerStats fields taken as they are from the core's stats().
+_STATS_COUNTS = [f for f in p.SchedulerStats.__struct_fields__ if f.startswith("num_")]
 
 
 def core_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -273,21 +275,14 @@ class SchedulerService:
         self._reply(identity, self.stats())
 
     def stats(self) -> p.SchedulerStats:
-        s = self.core.stats() if self.core else {}
         w = self.worker
+        counts = self.core.stats() if self.core else {"num_waiting": len(self.pending)}
         return p.SchedulerStats(
             scheduler_id=self.id,
             model_name=w.model_name if w else "",
             max_model_len=w.max_model_len if w else 0,
-            num_waiting=s.get("num_waiting", len(self.pending)),
-            num_running=s.get("num_running", 0),
-            num_rotary=s.get("num_rotary", 0),
-            num_hbm_blocks=s.get("num_hbm_blocks", 0),
-            num_free_hbm_blocks=s.get("num_free_hbm_blocks", 0),
-            num_dram_blocks=s.get("num_dram_blocks", 0),
-            num_free_dram_blocks=s.get("num_free_dram_blocks", 0),
-            num_preemptions=s.get("num_preemptions", 0),
             worker_ready=self.core is not None,
+            **{k: counts.get(k, 0) for k in _STATS_COUNTS},
         )
 
     def close(self) -> None:
