@@ -82,6 +82,15 @@ def start_server(tmp_dir: Path, *extra: str) -> Server:
     raise RuntimeError(f"serve not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
 
 
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
     """One shared server on the embedded default (bundled model, CPU)."""

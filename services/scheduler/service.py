@@ -76,6 +76,7 @@ class SchedulerService:
         self.trace = open(step_trace, "a", buffering=1) if step_trace else None
         self.num_steps = 0
         self.last_stats = 0.0
+        self.stats_changed = False
         self.stopping = False
 
     def _socket(self, kind: int, addr: str) -> zmq.asyncio.Socket:
@@ -136,6 +137,7 @@ class SchedulerService:
                 self.pending = [(i, m) for i, m in self.pending if m.request_id != rid]
                 out = self.core.abort_request(rid, time.monotonic()) if self.core else None
                 owner = self.owner.pop(rid, None)
+                self.stats_changed = True
                 if out is not None and owner is not None:
                     self._reply(owner, p.StepOutputs([out]))
 
@@ -195,6 +197,7 @@ class SchedulerService:
             self.log.warning("unexpected step result", step_id=result.step_id)
             return
         _, schedule_s, after_idle = self.in_flight.popleft()
+        self.stats_changed = True
         outputs = self.core.update(result, time.monotonic())
         if self.trace:
             self._trace(result, schedule_s, after_idle)
@@ -263,11 +266,14 @@ class SchedulerService:
         )
 
     def _maybe_send_stats(self) -> None:
+        """A load report after a change (at most every STATS_MIN_GAP_S), and at least every
+        STATS_INTERVAL_S as a heartbeat."""
         now = time.monotonic()
-        busy = bool(self.in_flight)
-        if now - self.last_stats < (STATS_MIN_GAP_S if busy else STATS_INTERVAL_S):
+        since = now - self.last_stats
+        if since < STATS_MIN_GAP_S or (not self.stats_changed and since < STATS_INTERVAL_S):
             return
         self.last_stats = now
+        self.stats_changed = False
         for identity in self.gateways:
             self._send_stats_to(identity)
 

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import openai
+
+from tests.conftest import wait_for
 
 
 def free_hbm_blocks(server) -> int:
     return server.get_json("/health")["schedulers"][0]["num_free_hbm_blocks"]
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def test_aborted_stream_returns_its_blocks(server):

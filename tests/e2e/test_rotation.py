@@ -8,7 +8,7 @@ import asyncio
 import openai
 import pytest
 
-from tests.conftest import start_server
+from tests.conftest import start_server, wait_for
 
 TOPICS = [
     "the ocean", "a mountain village", "trains", "the moon", "bread baking", "a lost cat",
@@ -53,10 +53,10 @@ def test_concurrent_outputs_equal_solo_outputs_under_rotation(tmp_path, policy, 
             return solo, together
 
         solo, together = asyncio.run(scenario())
-        stats = server.get_json("/health")["schedulers"][0]
+        stats = lambda: server.get_json("/health")["schedulers"][0]  # noqa: E731
+        assert wait_for(lambda: stats()["num_free_hbm_blocks"] == HBM_BLOCKS), stats()
+        assert stats()[moved] > 0, stats()
     finally:
         server.stop()
     for topic, a, b in zip(TOPICS, solo, together):
         assert a == b, f"{topic!r}: served alone {a!r} != served under rotation {b!r}"
-    assert stats[moved] > 0, stats
-    assert stats["num_free_hbm_blocks"] == HBM_BLOCKS, stats

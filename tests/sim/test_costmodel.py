@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bench.costmodel import (
@@ -72,12 +74,9 @@ def test_roofline_regimes_on_gh200():
 
 
 def test_linear_profile_prices_each_term():
-    hw = load_hardware("gh200")
     lin = LinearCost("smollm2", 0.01, 0.001, 0.002, 1e-5)
-    from dataclasses import replace
-
-    cpu = replace(hw, linear=lin)
-    w = work(num_prefill=100) 
+    cpu = replace(load_hardware("gh200"), linear=lin)
+    w = work(num_prefill=100)
     w.add(50, 1, True)
     assert compute_time(cpu, MODELS["smollm2"], w) == pytest.approx(0.01 + 0.1 + 0.002 + 1e-5 * (100 + 51))
     with pytest.raises(ValueError):
