@@ -19,6 +19,7 @@ BENCHMARKS = {
     "kv": ("bench.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
     "sched": ("bench.sched", "time of one LVF scheduling step vs live requests"),
     "serve": ("bench.serve", "load generator against an OpenAI-compatible server: SLO attainment"),
+    "policies": ("bench.policies", "lvf vs fcfs vs sf vs wf on the live server under overload"),
     "sim": ("bench.sim", "discrete-event simulator: the scheduler core with a cost-model worker"),
     "calibrate": ("bench.calibrate", "measure this machine's worker and write the `cpu` profile"),
     "reproduce": ("bench.reproduce", "regenerate bench/REPRODUCTION.md from simulator runs"),

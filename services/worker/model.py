@@ -51,7 +51,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, fuse_mlp: bool):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -68,8 +68,12 @@ class DecoderLayer(nn.Module):
             _param(torch.cat([w[attn + p + "_proj.bias"] for p in "qkv"])) if cfg.attention_bias else None
         )
         self.o_weight = _param(_in_out(w[attn + "o_proj.weight"]))  # [H * D, hidden]
-        # [hidden, 2 * intermediate]: gate columns then up columns.
-        self.gate_up_weight = _param(_in_out(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])))
+        # gate and up: [hidden, intermediate] each. Fused into one [hidden, 2 * intermediate]
+        # matmul where launches cost (GPU); on CPU two contiguous weights measure faster.
+        gate, up = _in_out(w[mlp + "gate_proj.weight"]), _in_out(w[mlp + "up_proj.weight"])
+        self.gate_up_weight = _param(torch.cat([gate, up], dim=1)) if fuse_mlp else None
+        self.gate_weight = None if fuse_mlp else _param(gate)
+        self.up_weight = None if fuse_mlp else _param(up)
         self.down_weight = _param(_in_out(w[mlp + "down_proj.weight"]))  # [intermediate, hidden]
 
     def forward(
@@ -91,25 +95,23 @@ class DecoderLayer(nn.Module):
         return out.view(num_tokens, -1) @ self.o_weight
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        if h.is_cuda:  # one launch instead of two
+        if self.gate_up_weight is not None:
             gate, up = (h @ self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
-            return (F.silu(gate) * up) @ self.down_weight
-        # On CPU two matmuls over column halves of the fused weight (views, no copy) measure
-        # faster than one into a [T, 2I] buffer; silu and the product then run in place.
-        half = self.down_weight.shape[0]
-        gate = h @ self.gate_up_weight[:, :half]  # [T, I]
-        up = h @ self.gate_up_weight[:, half:]  # [T, I]
-        return F.silu(gate, inplace=True).mul_(up) @ self.down_weight
+        else:
+            gate, up = h @ self.gate_weight, h @ self.up_weight  # [T, I] each
+        return F.silu(gate, inplace=True).mul_(up) @ self.down_weight  # [T, hidden]
 
 
 class LlamaModel(nn.Module):
     """Built straight from an HF-named weight dict (see weights.py); no random init."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], fuse_mlp: bool = False):
         super().__init__()
         self.cfg = cfg
         self.embed = _param(weights["model.embed_tokens.weight"])  # [V, hidden]
-        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, f"model.layers.{i}.") for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, weights, f"model.layers.{i}.", fuse_mlp) for i in range(cfg.num_layers)
+        )
         self.norm = _param(weights["model.norm.weight"])
         self.lm_head = self.embed if cfg.tie_embeddings else _param(weights["lm_head.weight"])
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

@@ -24,7 +24,7 @@ from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
 def load_model(path: Path, device: torch.device | str, dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, ModelConfig]:
     """Our model with the weights at `path` (GGUF file or HF directory), ready for inference."""
     cfg = read_model_config(Path(path))
-    model = LlamaModel(cfg, load_weights(Path(path), cfg))
+    model = LlamaModel(cfg, load_weights(Path(path), cfg), fuse_mlp=torch.device(device).type == "cuda")
     return model.to(device=device, dtype=dtype).eval(), cfg
 
 

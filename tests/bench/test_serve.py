@@ -7,7 +7,7 @@ import argparse
 import json
 
 from bench import serve
-from tests.conftest import free_port
+from bench.live import free_port
 
 REQUIRED_KEYS = {
     "completed", "failed", "ttft_attainment", "tbt_attainment", "tbt_request_attainment",

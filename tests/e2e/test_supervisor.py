@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from tests.conftest import start_server
+from bench.live import start_server
 
 
 def children_of(pid: int) -> list[int]:
