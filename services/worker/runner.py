@@ -21,7 +21,9 @@ from shared.modelfile import ModelConfig, read_model_config
 from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
 
 
-def load_model(path: Path, device: torch.device | str, dtype: torch.dtype = torch.float32) -> tuple[LlamaModel, ModelConfig]:
+def load_model(
+    path: Path, device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> tuple[LlamaModel, ModelConfig]:
     """Our model with the weights at `path` (GGUF file or HF directory), ready for inference."""
     cfg = read_model_config(Path(path))
     model = LlamaModel(cfg, load_weights(Path(path), cfg), fuse_mlp=torch.device(device).type == "cuda")
@@ -57,10 +59,20 @@ class _Request:
 
 
 class ModelRunner:
+    """Executes the scheduled part of each Plan against one KV pool (the worker's HBM tier).
+
+    Block tables arrive as diffs: `ScheduledRequest.new_block_ids` are appended to the
+    request's table; `block_table`, when set, first replaces the whole table (after a
+    swap-in or a recompute restart), and any `new_block_ids` are appended after it.
+    """
+
     def __init__(self, model: LlamaModel, cfg: ModelConfig, kv_pool: torch.Tensor, block_size: int, device):
         want = kv_block_shape(cfg, block_size)
         if tuple(kv_pool.shape[1:]) != want:
             raise ValueError(f"kv_pool blocks are {tuple(kv_pool.shape[1:])}, the model needs {want}")
+        dtype = next(model.parameters()).dtype
+        if kv_pool.dtype != dtype:
+            raise ValueError(f"kv_pool is {kv_pool.dtype}, the model computes in {dtype}")
         self.model = model
         self.cfg = cfg
         self.kv_pool = kv_pool
@@ -93,6 +105,17 @@ class ModelRunner:
         """Prompt + outputs known for the request (a copy)."""
         return list(self._requests[request_id].token_ids)
 
+    def blocks_touched(self, scheduled: list[ScheduledRequest]) -> set[int]:
+        """HBM blocks that executing `scheduled` reads or writes (block-table changes
+        included), so a transfer of a later plan can tell whether it must wait."""
+        out: set[int] = set()
+        for s in scheduled:
+            req = self._requests.get(s.request_id)
+            table = s.block_table if s.block_table is not None else (req.block_table if req else [])
+            out.update(table)
+            out.update(s.new_block_ids)
+        return out
+
     @property
     def num_requests(self) -> int:
         return len(self._requests)
@@ -107,26 +130,12 @@ class ModelRunner:
         for s in scheduled:
             self._apply_block_changes(s)
         # Single-token queries first: attention batches them in one call.
-        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_new_tokens != 1)
-        step = [scheduled[i] for i in order]
+        step = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         reqs = [self._requests[s.request_id] for s in step]
         token_ids, positions, sample_rows, sampled = self._inputs(step, reqs)
-        meta = build_metadata(
-            [s.num_computed_tokens for s in step],
-            [s.num_new_tokens for s in step],
-            [r.block_table for r in reqs],
-            self.block_size,
-            self.device,
-        )
+        chosen = [reqs[i] for i in sampled]
         with torch.inference_mode():
-            logits = self.model(
-                torch.tensor(token_ids, dtype=torch.long).to(self.device),
-                torch.tensor(positions, dtype=torch.long).to(self.device),
-                meta,
-                self.kv_pool,
-                torch.tensor(sample_rows, dtype=torch.long).to(self.device),
-            )  # [S, V]
-            chosen = [reqs[i] for i in sampled]
+            logits = self._forward(step, reqs, token_ids, positions, sample_rows)  # [S, V]
             new_tokens = sample(
                 logits,
                 [r.params for r in chosen],
@@ -138,6 +147,22 @@ class ModelRunner:
         by_request = {step[i].request_id: t for i, t in zip(sampled, new_tokens)}
         ids = [s.request_id for s in scheduled if s.request_id in by_request]
         return ids, [by_request[rid] for rid in ids]
+
+    def _forward(self, step, reqs, token_ids, positions, sample_rows) -> torch.Tensor:
+        meta = build_metadata(
+            [s.num_computed_tokens for s in step],
+            [s.num_new_tokens for s in step],
+            [r.block_table for r in reqs],
+            self.block_size,
+            self.device,
+        )
+        return self.model(
+            torch.tensor(token_ids, dtype=torch.long).to(self.device),
+            torch.tensor(positions, dtype=torch.long).to(self.device),
+            meta,
+            self.kv_pool,
+            torch.tensor(sample_rows, dtype=torch.long).to(self.device),
+        )
 
     def _apply_block_changes(self, s: ScheduledRequest) -> None:
         """`block_table`, when set, is the whole new table; `new_block_ids` are then appended."""

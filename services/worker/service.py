@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import signal
+import threading
 import time
 
 import msgspec
@@ -19,28 +20,63 @@ import zmq.asyncio
 
 from services.worker.kv_pool import KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
 from services.worker.runner import ModelRunner, load_model
-from services.worker.transfer import TransferEngine
+from services.worker.transfer import Transfer, TransferEngine
 from shared import config, protocol as p
 from shared.log import setup_logging
 from shared.modelfile import resolve_model_path
 
 
 class StepExecutor:
-    """One Plan → one StepResult. Plans run strictly in order on one thread, so a step's
-    copies start only after the previous step's compute (the block reuse rule in
-    services/scheduler/core/blocks.py, part 3): swap-ins and swap-outs/eager mirrors run
-    at once on the two directions; compute waits only for the swap-ins it reads; the
-    out-direction copies overlap compute and finish before the step is reported."""
+    """One Plan → one StepResult, in plan order on one step thread.
+
+    A step's copies run both directions at once; compute waits only for the swap-ins it
+    reads; the out-direction copies overlap compute and finish before the step is
+    reported. The next plan's copies start while this step computes (`prefetch`, called
+    from the socket loop when that plan arrives) unless they touch a block this step's
+    compute reads or writes; then they start with their own step (the block reuse rule,
+    services/scheduler/core/blocks.py, part 3)."""
 
     def __init__(self, runner: ModelRunner, engine: TransferEngine) -> None:
         self.runner = runner
         self.engine = engine
+        self._lock = threading.Lock()  # guards the three fields below and engine.submit
+        self._computing_step: int | None = None
+        self._computing_blocks: set[int] = set()
+        self._prefetched: dict[int, tuple[Transfer, float]] = {}
+
+    def prefetch(self, plan: p.Plan) -> None:
+        if not (plan.swap_in or plan.swap_out or plan.eager):
+            return
+        with self._lock:
+            if self._computing_step != plan.step_id - 1:
+                return  # the previous step is not computing yet; copy in order later
+            blocks = self._computing_blocks
+            if any(h in blocks for _, h in plan.swap_in) or any(
+                h in blocks for h, _ in (*plan.swap_out, *plan.eager)
+            ):
+                return
+            transfer = self.engine.submit(plan.swap_in, plan.swap_out, plan.eager)
+            self._prefetched[plan.step_id] = (transfer, time.perf_counter())
+
+    def try_prefetch(self, plan: p.Plan, log) -> None:
+        """`prefetch` from the socket loop: a refusal there is no error (the step submits
+        its copies itself, and reports any failure as its result)."""
+        try:
+            self.prefetch(plan)
+        except Exception as e:
+            log.warning("prefetch skipped", step_id=plan.step_id, error=str(e))
 
     def __call__(self, plan: p.Plan, plan_wait_s: float) -> p.StepResult:
         t0 = time.perf_counter()
         self.runner.drop(plan.drop)
         self.runner.add_requests(plan.new_requests)
-        transfer = self.engine.submit(plan.swap_in, plan.swap_out, plan.eager)
+        with self._lock:
+            transfer, started = self._prefetched.pop(plan.step_id, (None, t0))
+            if transfer is None:
+                transfer = self.engine.submit(plan.swap_in, plan.swap_out, plan.eager)
+            self._computing_step = plan.step_id
+            self._computing_blocks = self.runner.blocks_touched(plan.scheduled)
+        t_wait = time.perf_counter()
         transfer.wait_in()
         t1 = time.perf_counter()
         ids, tokens = self.runner.execute(plan.scheduled)
@@ -53,9 +89,9 @@ class StepExecutor:
             ids,
             tokens,
             p.StepTimings(
-                transfer_s=(t1 - t0) + (t3 - t2) if moved else 0.0,
+                transfer_s=(t3 - started) - (t2 - t1) if moved else 0.0,
                 compute_s=t2 - t1,
-                transfer_wait_s=t1 - t0 if plan.swap_in else 0.0,
+                transfer_wait_s=t1 - t_wait if plan.swap_in else 0.0,
                 plan_wait_s=plan_wait_s,
             ),
         )
@@ -86,9 +122,12 @@ class WorkerService:
                 continue
             payload = await self.sock.recv()
             try:
-                plans.put_nowait((p.worker_msg_decoder.decode(payload), time.perf_counter()))
+                plan = p.worker_msg_decoder.decode(payload)
             except msgspec.DecodeError as e:
                 self.log.warning("undecodable plan", error=str(e))
+                continue
+            plans.put_nowait((plan, time.perf_counter()))
+            self.execute.try_prefetch(plan, self.log)
         runner.cancel()
         self.sock.close()
         self.ctx.term()
