@@ -1,4 +1,4 @@
-"""The gateway's side of the gateway <-> scheduler sockets.
+"""The gateway's side of the gateway <-> scheduler sockets, and routing between schedulers.
 
 One DEALER per scheduler address (its routing id is the gateway id, so a reconnect keeps
 the same identity). A single receive task polls them all, drains at most
@@ -6,13 +6,21 @@ the same identity). A single receive task polls them all, drains at most
 queue; a heartbeat task says hello every second and fails the requests of a scheduler that
 has gone quiet, so no client waits forever on a dead peer.
 
-    submit(AddRequest) -> RequestHandle      handle.get() -> TokenOutput | RequestError
+Routing: `pick()` sends each new request to the live scheduler with the lowest
+`headroom_score` (the formula is documented there, once), ties taken round-robin. A
+scheduler leaves the rotation when it has not been heard from for `STALE_AFTER_S` (its load
+reports double as heartbeats) or when a send to it fails (its connection is gone), and comes
+back with its next message.
+
+    pick() -> SchedulerLink                   submit(AddRequest, link) -> RequestHandle
+    handle.get() -> TokenOutput | RequestError
     abort(request_id)                         live_stats() -> [SchedulerStats]
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 
@@ -22,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from services.gateway.errors import unavailable
-from shared.config import ZMQ_HWM, ZMQ_LINGER_MS
+from shared.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, ZMQ_HWM, ZMQ_LINGER_MS
 from shared.protocol import (
     AbortRequest,
     AddRequest,
@@ -39,6 +47,11 @@ HEARTBEAT_S = 1.0
 RETRY_HELLO_S = 0.1  # until a hello gets through (the connection is still being made)
 STALE_AFTER_S = 5.0  # no message for this long: the scheduler is considered gone
 MAX_RECV_PER_TICK = 256
+# Load reports carry neither the scheduler's batch limit nor its block size: the defaults
+# stand in for both when the score weighs running requests and sizes unreported ones.
+BATCH_SLOTS = DEFAULT_MAX_NUM_SEQS
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE
+TIE_EPS = 1e-9  # scores closer than this are a tie
 
 log = structlog.get_logger()
 Reply = TokenOutput | RequestError
@@ -56,6 +69,32 @@ class RequestHandle:
         return await self.queue.get()
 
 
+def headroom_score(stats: SchedulerStats, num_unreported: int = 0, num_unreported_blocks: int = 0) -> float:
+    """How close a scheduler is to missing its SLOs; lower means more headroom.
+
+        score = queued + batch + memory
+        queued = num_waiting + num_rotary                       requests that cannot run now
+        batch  = (num_running + num_unreported) / BATCH_SLOTS   share of the step's batch
+        memory = (used HBM blocks + num_unreported_blocks) / num_hbm_blocks
+
+    A queued request means the scheduler has no room this step (it waits behind the token
+    budget, the batch limit or HBM), so each one weighs as much as a full HBM pool: a new
+    request goes where nothing waits first. Among schedulers with nothing queued, the
+    running batch (step time, hence TBT) and HBM use (how soon rotation starts) decide, so a
+    smaller pool fills sooner and gets less. Requests this gateway sent since the last report
+    ("unreported") count as running with their prompt's blocks, so a burst between two
+    reports spreads out instead of piling onto one scheduler. Idle schedulers tie."""
+    queued = stats.num_waiting + stats.num_rotary
+    batch = (stats.num_running + num_unreported) / BATCH_SLOTS
+    used = stats.num_hbm_blocks - stats.num_free_hbm_blocks + num_unreported_blocks
+    return queued + batch + used / max(1, stats.num_hbm_blocks)
+
+
+def num_blocks(req: AddRequest) -> int:
+    """KV blocks a request needs at admission (its known tokens plus the next one)."""
+    return math.ceil((len(req.prompt_token_ids) + len(req.output_token_ids) + 1) / BLOCK_SIZE)
+
+
 class SchedulerLink:
     """One scheduler: its socket, its latest load report, and the requests it serves."""
 
@@ -66,15 +105,33 @@ class SchedulerLink:
         self.last_seen = float("-inf")
         self.request_ids: set[str] = set()
         self.next_hello = 0.0
+        self.unreachable = False  # a send failed: out of rotation until it is heard from again
+        # Requests sent since the last load report, which does not count them yet.
+        self.num_unreported = 0
+        self.num_unreported_blocks = 0
 
     def is_live(self, now: float) -> bool:
-        return self.stats is not None and now - self.last_seen < STALE_AFTER_S
+        return self.stats is not None and not self.unreachable and now - self.last_seen < STALE_AFTER_S
 
-    def load(self) -> tuple[int, int]:
-        """Lower is better: requests queued there (counting ours not yet reported), then
-        fewer free HBM blocks."""
-        s = self.stats
-        return (s.num_waiting + len(self.request_ids), -s.num_free_hbm_blocks) if s else (1 << 30, 0)
+    def routable(self, now: float) -> bool:
+        return self.is_live(now) and self.stats.worker_ready
+
+    def score(self) -> float:
+        return headroom_score(self.stats, self.num_unreported, self.num_unreported_blocks)
+
+    def on_sent(self, req: AddRequest) -> None:
+        self.request_ids.add(req.request_id)
+        self.num_unreported += 1
+        self.num_unreported_blocks += num_blocks(req)
+
+    def on_report(self, stats: SchedulerStats, now: float) -> None:
+        self.stats = stats
+        self.num_unreported = self.num_unreported_blocks = 0
+        self.on_heard(now)
+
+    def on_heard(self, now: float) -> None:
+        self.last_seen = now
+        self.unreachable = False
 
 
 def send_now(socket: zmq.asyncio.Socket, data: bytes) -> bool:
@@ -100,6 +157,7 @@ class SchedulerClient:
         self._by_socket = {link.socket: link for link in self.links}
         self._pending: dict[str, RequestHandle] = {}
         self._tasks: list[asyncio.Task] = []
+        self._next = 0  # round-robin start: where the scan for the best link begins
 
     def _socket(self, addr: str) -> zmq.asyncio.Socket:
         s = self._ctx.socket(zmq.DEALER)
@@ -131,24 +189,38 @@ class SchedulerClient:
 
     def live_links(self) -> list[SchedulerLink]:
         now = time.monotonic()
-        return [link for link in self.links if link.is_live(now) and link.stats.worker_ready]
+        return [link for link in self.links if link.routable(now)]
 
     def live_stats(self) -> list[SchedulerStats]:
         return [link.stats for link in self.live_links()]
 
     def pick(self) -> SchedulerLink:
-        """The least loaded live scheduler; 503 when none is reachable."""
-        links = self.live_links()
-        if not links:
+        """The live scheduler with the most SLO headroom (lowest `headroom_score`); among
+        equal scores, the next in round-robin order. 503 when none is reachable.
+        One pass over the links, no allocation: it runs for every request."""
+        now = time.monotonic()
+        num_links = len(self.links)
+        best, best_index, best_score = None, 0, math.inf
+        for k in range(num_links):
+            i = (self._next + k) % num_links
+            link = self.links[i]
+            if link.routable(now) and (score := link.score()) < best_score - TIE_EPS:
+                best, best_index, best_score = link, i, score
+        if best is None:
             raise unavailable("no scheduler is reachable; retry shortly")
-        return min(links, key=SchedulerLink.load)
+        self._next = (best_index + 1) % num_links
+        return best
 
     def submit(self, req: AddRequest, link: SchedulerLink) -> RequestHandle:
-        if not self._send(link, req):
-            raise unavailable(f"scheduler {link.addr} is not accepting requests; retry shortly")
+        """Send to `link`; if its connection is gone, it leaves the rotation and the next
+        best scheduler gets the request (503 when none is left)."""
+        while not self._send(link, req):
+            link.unreachable = True
+            link = self.pick()
+        log.info("request_routed", scheduler=link.addr, score=round(link.score(), 4))
         handle = RequestHandle(req.request_id, link)
         self._pending[req.request_id] = handle
-        link.request_ids.add(req.request_id)
+        link.on_sent(req)
         return handle
 
     def abort(self, request_id: str) -> None:
@@ -194,7 +266,8 @@ class SchedulerClient:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             log.warning("bad_frame", scheduler=link.addr, error=str(e), size=len(frame))
             return
-        link.last_seen = time.monotonic()
+        now = time.monotonic()
+        link.on_heard(now)
         match msg:
             case StepOutputs(outputs=outputs):
                 for out in outputs:
@@ -202,7 +275,7 @@ class SchedulerClient:
             case RequestError(request_id=rid):
                 self._deliver(rid, msg)
             case SchedulerStats():
-                link.stats = msg
+                link.on_report(msg, now)
 
     def _deliver(self, request_id: str, reply: Reply) -> None:
         handle = self._pending.get(request_id)
@@ -228,6 +301,8 @@ class SchedulerClient:
         """Not connected (yet) is no error: it is tried again shortly."""
         sent = send_now(link.socket, encode(GatewayHello(gateway_id=self.gateway_id)))
         link.next_hello = now + (HEARTBEAT_S if sent else RETRY_HELLO_S)
+        if not sent and link.stats is not None:
+            link.unreachable = True  # it had been heard from: its connection is gone
 
     def _fail_all(self, link: SchedulerLink, message: str) -> None:
         log.error("scheduler_lost", scheduler=link.addr, num_requests=len(link.request_ids))

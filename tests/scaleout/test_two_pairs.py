@@ -1,0 +1,78 @@
+"""Two scheduler/worker pairs behind one gateway, each service its own process on loopback
+tcp://. Load reaches both pairs, less of it the one with the small HBM pool; after one pair
+is killed (SIGKILL, both processes) new requests are served by the other at once."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.scaleout.cluster import STARTUP_TIMEOUT_S, health, post_json, start_gateway, start_pair, wait_until
+
+BIG_HBM_BLOCKS = 256
+SMALL_HBM_BLOCKS = 12  # ~4 requests of ~40 tokens (3 blocks of 16 each)
+NUM_REQUESTS = 24
+CONCURRENCY = 6
+MAX_TOKENS = 8
+FAILOVER_S = 5.0  # the first request after the kill is served within this
+
+
+def completion(base_url: str, n: int) -> tuple[int, dict]:
+    body = {
+        "prompt": f"Request {n}: list three facts about the number {n}, one per line, in plain words.",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    return post_json(base_url + "/v1/completions", body)
+
+
+def routed(gateway) -> Counter:
+    return Counter(e["scheduler"] for e in gateway.log_events("request_routed"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_load_skews_away_from_the_small_pool_and_survives_a_killed_pair(tmp_path):
+    worker_args = ("--dram-gb", "0.25")
+    big = start_pair(tmp_path, "big", "--hbm-blocks", str(BIG_HBM_BLOCKS), *worker_args)
+    small = start_pair(tmp_path, "small", "--hbm-blocks", str(SMALL_HBM_BLOCKS), *worker_args)
+    gateway, base_url = start_gateway(tmp_path, [big.addr, small.addr])
+    procs = [big.scheduler, big.worker, small.scheduler, small.worker, gateway]
+    try:
+        both_ready = lambda: len(health(base_url).get("schedulers", [])) == 2  # noqa: E731
+        assert wait_until(both_ready, STARTUP_TIMEOUT_S, procs), health(base_url)
+
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            results = list(pool.map(lambda n: completion(base_url, n), range(NUM_REQUESTS)))
+        assert [status for status, _ in results] == [200] * NUM_REQUESTS, results
+        assert all(body["usage"]["completion_tokens"] == MAX_TOKENS for _, body in results)
+
+        counts = routed(gateway)
+        assert sum(counts.values()) == NUM_REQUESTS
+        assert 0 < counts[small.addr] < counts[big.addr], counts
+        # The pairs' own step traces agree: both computed tokens, the small one fewer.
+        assert 0 < small.num_tokens() < big.num_tokens(), (small.num_tokens(), big.num_tokens())
+
+        big.kill()
+        killed_at = time.monotonic()
+        status, body = completion(base_url, 100)
+        first_served_s = time.monotonic() - killed_at
+        assert status == 200, body
+        assert first_served_s < FAILOVER_S, first_served_s
+        later = [completion(base_url, 101 + n) for n in range(3)]
+        assert [s for s, _ in later] == [200] * 3, later
+        after = routed(gateway) - counts
+        assert after == Counter({small.addr: 4}), after
+        # The dead scheduler has left /health (heartbeat timeout at the latest).
+        assert wait_until(lambda: len(health(base_url).get("schedulers", [])) == 1, 10), health(base_url)
+        print(f"routed {dict(counts)}; after kill: first request served in {first_served_s:.2f}s")
+    finally:
+        gateway.stop()
+        small.stop()
+        big.kill()
+        for proc in procs:
+            proc.kill()
