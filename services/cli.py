@@ -1,7 +1,9 @@
-"""`superinfer` command line: serve the embedded default, start one service, or benchmark.
+"""`superinfer` command line: serve, start one service, inspect a scheduler, or benchmark.
 
     superinfer serve                      # gateway + scheduler + worker on this machine
     superinfer gateway|scheduler|worker   # one service, tcp:// addresses
+    superinfer queues|top|stats           # what the scheduler is doing (admin socket)
+    superinfer abort ID | drain [--undo]  # operator commands (admin token)
     superinfer bench model|kv|sched ...   # benchmarks (print numbers, write JSON)
 """
 
@@ -11,6 +13,7 @@ import argparse
 import importlib
 import sys
 
+from services import admin_cli
 from shared import config
 
 # name -> module with add_arguments(parser) and run(args) -> int
@@ -81,6 +84,28 @@ def _scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-trace", default=None, metavar="PATH", help="append one JSON line per step to PATH")
 
 
+def _admin_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler admin socket and metrics")
+    g.add_argument(
+        "--admin-bind",
+        default=admin_cli.DEFAULT_ADMIN_ADDR,
+        help="the scheduler's admin socket for `superinfer queues|top|stats|abort|drain`; "
+        "'off' disables it (default %(default)s)",
+    )
+    g.add_argument(
+        "--metrics-port", type=int, default=None, help="serve the scheduler's Prometheus /metrics on this port"
+    )
+    g.add_argument("--metrics-host", default=config.DEFAULT_HOST, help="its address (default %(default)s)")
+
+
+def _admin_token_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"token that abort/drain must present (or ${admin_cli.TOKEN_ENV}); without one they are refused",
+    )
+
+
 def _worker_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker (model + DuplexKV)")
     g.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
@@ -119,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _gateway_args(p)
     _scheduler_args(p)
+    _admin_args(p)
+    _admin_token_arg(p)
     _worker_args(p)
 
     p = sub.add_parser("gateway", help="start the HTTP gateway alone")
@@ -133,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("scheduler", help="start the scheduler alone")
     _scheduler_args(p)
+    _admin_args(p)
+    _admin_token_arg(p)
     p.add_argument("--bind", default=config.DEFAULT_SCHEDULER_ADDR, help="address gateways connect to")
     p.add_argument("--worker-bind", default=config.DEFAULT_WORKER_ADDR, help="address the worker connects to")
 
@@ -140,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _worker_args(p)
     p.add_argument("--connect", default=config.DEFAULT_WORKER_ADDR, help="the scheduler's worker address")
+
+    admin_cli.add_commands(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, (module, help_text) in BENCHMARKS.items():
@@ -172,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.worker.service import run
 
         return run(args)
+    if args.command in admin_cli.COMMANDS:
+        return admin_cli.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

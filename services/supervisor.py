@@ -8,6 +8,7 @@ rather than left hanging.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import subprocess
@@ -48,7 +49,8 @@ def serve(args: argparse.Namespace) -> int:
     commands = {
         "scheduler": base
         + ["scheduler", "--bind", sched_addr, "--worker-bind", worker_addr]
-        + child_argv(args, cli._scheduler_args),
+        + child_argv(args, cli._scheduler_args)
+        + child_argv(args, cli._admin_args),
         "worker": base + ["worker", "--connect", worker_addr] + model + child_argv(args, cli._worker_args),
         "gateway": base
         + ["gateway", "--scheduler", sched_addr]
@@ -64,8 +66,10 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
 
-    children = {name: subprocess.Popen(cmd) for name, cmd in commands.items()}
-    log.info("started", pids={n: c.pid for n, c in children.items()}, run_dir=run_dir)
+    # The admin token travels in the environment, not on a command line others can read.
+    envs = {"scheduler": dict(os.environ, **{cli.admin_cli.TOKEN_ENV: args.admin_token})} if args.admin_token else {}
+    children = {name: subprocess.Popen(cmd, env=envs.get(name)) for name, cmd in commands.items()}
+    log.info("started", pids={n: c.pid for n, c in children.items()}, run_dir=run_dir, admin=args.admin_bind)
     url = f"http://{args.host}:{args.port}"
     ready = False
     rc = 0

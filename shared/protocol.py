@@ -6,6 +6,8 @@ Each socket carries one tagged union, encoded as msgpack (array-like structs, no
     scheduler -> gateway  : GatewayReply  = StepOutputs | RequestError | SchedulerStats
     scheduler -> worker   : WorkerMsg     = Plan
     worker   -> scheduler : WorkerReply   = WorkerReady | StepResult | WorkerError
+    operator -> scheduler : AdminRequest  = QueuesQuery | StatsQuery | AbortCommand | DrainCommand
+    scheduler -> operator : AdminReply    = QueuesReply | StatsReply | AdminAck | AdminError
 
 No tensors cross a socket: only token ids and block ids. A new request's prompt is
 sent to the worker once (in `Plan.new_requests`); later plans carry only how many
@@ -73,11 +75,25 @@ class AbortRequest(_Msg, tag="abort"):
 GatewayMsg = GatewayHello | AddRequest | AbortRequest
 
 
+class Attribution(_Data):
+    """Where one request's time went at the scheduler, in seconds: the answer to "why did it
+    miss its SLO". `transfer_wait_s` is the part of `running_s` its steps spent waiting for
+    swap-ins to land."""
+
+    waiting_s: float = 0.0
+    rotary_s: float = 0.0
+    running_s: float = 0.0
+    transfer_wait_s: float = 0.0
+    num_preemptions: int = 0
+
+
 class TokenOutput(_Data):
     request_id: str
     token_ids: list[int]
     # "stop" (stop token), "length" (max_tokens or context window), "abort"; None while running.
     finish_reason: str | None = None
+    # On the final output only: where the request's time went at the scheduler.
+    attribution: Attribution | None = None
 
 
 class StepOutputs(_Msg, tag="out"):
@@ -113,6 +129,7 @@ class SchedulerStats(_Msg, tag="stats"):
     num_blocks_swapped_out: int = 0
     num_blocks_mirrored: int = 0
     worker_ready: bool = True
+    draining: bool = False  # admits no new requests
 
 
 GatewayReply = StepOutputs | RequestError | SchedulerStats
@@ -165,6 +182,7 @@ class WorkerReady(_Msg, tag="ready"):
     block_size: int
     max_model_len: int
     device: str
+    block_bytes: int = 0  # bytes of one KV block (all layers, K and V)
 
 
 class StepTimings(_Data):
@@ -205,3 +223,101 @@ gateway_msg_decoder = msgspec.msgpack.Decoder(GatewayMsg)
 gateway_reply_decoder = msgspec.msgpack.Decoder(GatewayReply)
 worker_msg_decoder = msgspec.msgpack.Decoder(WorkerMsg)
 worker_reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
+
+
+# ---------------------------------------------------------------- operator <-> scheduler (admin)
+# The scheduler's admin socket (ROUTER) answers the operator CLI. Queries are open; commands
+# that change what the scheduler does carry the admin token.
+
+
+class QueuesQuery(_Msg, tag="admin_queues"):
+    """Every live request, one row each."""
+
+
+class StatsQuery(_Msg, tag="admin_stats"):
+    """Load, pools and counters, plus the last minute's step times, transfers and SLO attainment."""
+
+
+class AbortCommand(_Msg, tag="admin_abort"):
+    request_id: str
+    token: str = ""
+
+
+class DrainCommand(_Msg, tag="admin_drain"):
+    """Stop admitting new requests (they are refused as unavailable) and finish what runs;
+    `undo` admits again."""
+
+    token: str = ""
+    undo: bool = False
+
+
+AdminRequest = QueuesQuery | StatsQuery | AbortCommand | DrainCommand
+
+
+class RequestRow(_Data):
+    request_id: str
+    state: str  # waiting | running | rotary
+    vlt: float  # Virtual Lag Time now: <= 0 running, >= 0 paused
+    age_s: float
+    since_last_token_s: float | None  # None before its first token
+    # S_F minus its TTFT (minus its age before the first token); negative: missed.
+    ttft_slack_s: float | None
+    # S_B minus the time since its last token; None before the first token.
+    tbt_slack_s: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_hbm_blocks: int
+    num_dram_blocks: int
+    times: Attribution  # so far
+
+
+class QueuesReply(_Msg, tag="admin_queues_reply"):
+    rows: list[RequestRow]
+    draining: bool = False
+
+
+class WindowStats(_Data):
+    """The last minute (or less, since start): means per step and rates per second."""
+
+    span_s: float
+    num_steps: int = 0
+    schedule_s: float = 0.0
+    transfer_s: float = 0.0
+    compute_s: float = 0.0
+    stall_ratio: float | None = None
+    rotations_per_s: float = 0.0
+    blocks_moved_per_s: float = 0.0
+    transfer_bytes_per_s: float | None = None  # None while the block size in bytes is unknown
+    num_finished: int = 0
+    ttft_attainment: float | None = None  # requests with TTFT <= S_F
+    tbt_attainment: float | None = None  # token gaps <= S_B
+    slo_attainment: float | None = None  # requests meeting both
+
+
+class StatsReply(_Msg, tag="admin_stats_reply"):
+    stats: SchedulerStats
+    window: WindowStats
+    policy: str
+    ttft_slo_s: float
+    tbt_slo_s: float
+    uptime_s: float
+    draining: bool = False
+    num_steps: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+
+
+class AdminAck(_Msg, tag="admin_ack"):
+    message: str
+
+
+class AdminError(_Msg, tag="admin_error"):
+    message: str
+    # "invalid_request_error" (malformed), "permission_denied" (token), "not_found", "internal_error".
+    type: str = "invalid_request_error"
+
+
+AdminReply = QueuesReply | StatsReply | AdminAck | AdminError
+
+admin_request_decoder = msgspec.msgpack.Decoder(AdminRequest)
+admin_reply_decoder = msgspec.msgpack.Decoder(AdminReply)

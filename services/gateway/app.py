@@ -28,7 +28,7 @@ from services.gateway.api import (
 )
 from services.gateway.detokenizer import TextStream
 from services.gateway.errors import ApiError, internal
-from services.gateway.generate import Timing, generate
+from services.gateway.generate import Timing, WithAttribution, generate, wants_attribution
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.responses import ChatFormat, CompletionFormat, respond_full, respond_stream
@@ -99,7 +99,8 @@ async def generation(request: web.Request, ep: Endpoint) -> web.StreamResponse:
 
 async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, request_id: str):
     timing = Timing()  # arrival: latencies count the gateway's own work too
-    req = decode_request(await read_body(request), ep.request_type)
+    body = await read_body(request)
+    req = decode_request(body, ep.request_type)
     params.check_supported(req)
     model = _check_model(req.model, state)
     link = state.client.pick()
@@ -109,6 +110,8 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)
     text = TextStream(state.tokenizer.decode, prep.stop, prompt_ids)
     fmt = ep.format(request_id, model)
+    if wants_attribution(body):
+        fmt = WithAttribution(fmt, timing)
     handle = state.client.submit(add, link)
     log.info(
         "request_accepted", num_prompt_tokens=len(prompt_ids), max_tokens=prep.params.max_tokens, stream=prep.stream

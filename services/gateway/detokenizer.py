@@ -85,9 +85,11 @@ class StopStringFilter:
 
 
 def find_first_stop(text: str, stop: Sequence[str], start: int = 0) -> int | None:
-    """Index in `text` where the earliest stop string begins (searching from `start`)."""
-    hits = [i for s in stop if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else None
+    """Where the output is cut: the start of the stop string that is complete first, as
+    generation would reach it (earliest end; of two ending together, the longer one), so
+    the cut never depends on how the text arrived in pieces."""
+    hits = [(i + len(s), i) for s in stop if (i := text.find(s, start)) >= 0]
+    return min(hits)[1] if hits else None
 
 
 def held_back_len(text: str, stop: Sequence[str]) -> int:

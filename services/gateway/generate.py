@@ -12,10 +12,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from services.gateway.detokenizer import TextStream
 from services.gateway.errors import from_scheduler, internal
 from services.gateway.scheduler_client import RequestHandle, SchedulerClient
-from shared.protocol import RequestError
+from shared.protocol import Attribution, RequestError
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Timing:
     first_token: float | None = None
     num_output_tokens: int = 0
     finish_reason: str | None = None
+    attribution: Attribution | None = None  # the scheduler's, on its final output
 
     def on_tokens(self, n: int) -> None:
         if n and self.first_token is None:
@@ -49,6 +52,7 @@ async def generate(
             if isinstance(reply, RequestError):
                 raise from_scheduler(reply)
             timing.on_tokens(len(reply.token_ids))
+            timing.attribution = reply.attribution or timing.attribution
             piece = _piece(reply.token_ids, reply.finish_reason, text)
             timing.finish_reason = piece.finish_reason
             yield piece
@@ -69,3 +73,56 @@ def _piece(token_ids: list[int], finish_reason: str | None, text: TextStream) ->
     if finish_reason is not None:
         return Piece(delta + text.finish(), len(token_ids), finish_reason)
     return Piece(delta, len(token_ids))
+
+
+class WithAttribution:
+    """A response format that also reports where the request's time went at the scheduler,
+    for clients that ask with `"superinfer": {"attribution": true}`: the whole body, or the
+    final stream chunk, gains `"superinfer": {"attribution": {waiting_s, rotary_s,
+    running_s, transfer_wait_s, num_preemptions}}` (absent when a stop string ended the
+    request before the scheduler did)."""
+
+    def __init__(self, fmt, timing: Timing) -> None:
+        self.fmt, self.timing = fmt, timing
+
+    def whole(self, text, finish_reason, usage):
+        return self._add(self.fmt.whole(text, finish_reason, usage))
+
+    def opening(self):
+        return self.fmt.opening()
+
+    def chunk(self, text, finish_reason):
+        body = self.fmt.chunk(text, finish_reason)
+        return body if finish_reason is None else self._add(body)
+
+    def usage_chunk(self, usage):
+        return self.fmt.usage_chunk(usage)
+
+    def _add(self, body):
+        att = self.timing.attribution
+        if att is None:
+            return body
+        out = msgspec.to_builtins(body)
+        out["superinfer"] = {"attribution": {f: getattr(att, f) for f in att.__struct_fields__}}
+        return out
+
+
+class Extensions(msgspec.Struct):
+    attribution: bool = False
+
+
+class _ExtensionBody(msgspec.Struct):
+    superinfer: Extensions | None = None
+
+
+_extensions = msgspec.json.Decoder(_ExtensionBody)
+
+
+def wants_attribution(body: bytes) -> bool:
+    """`"superinfer": {"attribution": true}` in a request body (already validated as JSON);
+    a malformed extension is ignored rather than refused."""
+    try:
+        ext = _extensions.decode(body).superinfer
+    except msgspec.DecodeError:
+        return False
+    return ext is not None and ext.attribution

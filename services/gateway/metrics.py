@@ -34,6 +34,12 @@ class GatewayMetrics:
         self.e2e = Histogram(
             "superinfer:e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.queue_time = Histogram(
+            "superinfer:request_queue_time_seconds",
+            "Time spent waiting for a run (no KV yet), as the scheduler reports it",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         g = lambda name, doc, labels=(): Gauge(name, doc, labels, registry=r)  # noqa: E731
         self.num_schedulers = g("superinfer:num_schedulers", "Schedulers reporting in")
         self.running = g("superinfer:num_requests_running", "Requests running on the GPU")
@@ -51,6 +57,8 @@ class GatewayMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(timing.num_output_tokens)
         self.e2e.observe(end - timing.arrival)
+        if timing.attribution is not None:
+            self.queue_time.observe(timing.attribution.waiting_s)
         if timing.first_token is not None:
             self.ttft.observe(timing.first_token - timing.arrival)
             if timing.num_output_tokens > 1:

@@ -69,6 +69,9 @@ class RequestHandle:
         return await self.queue.get()
 
 
+DRAINING_SCORE = 1e9
+
+
 def headroom_score(stats: SchedulerStats, num_unreported: int = 0, num_unreported_blocks: int = 0) -> float:
     """How close a scheduler is to missing its SLOs; lower means more headroom.
 
@@ -83,7 +86,10 @@ def headroom_score(stats: SchedulerStats, num_unreported: int = 0, num_unreporte
     running batch (step time, hence TBT) and HBM use (how soon rotation starts) decide, so a
     smaller pool fills sooner and gets less. Requests this gateway sent since the last report
     ("unreported") count as running with their prompt's blocks, so a burst between two
-    reports spreads out instead of piling onto one scheduler. Idle schedulers tie."""
+    reports spreads out instead of piling onto one scheduler. Idle schedulers tie. A draining
+    scheduler is picked only when every other one is gone (it then answers 503 itself)."""
+    if stats.draining:
+        return DRAINING_SCORE
     queued = stats.num_waiting + stats.num_rotary
     batch = (stats.num_running + num_unreported) / BATCH_SLOTS
     used = stats.num_hbm_blocks - stats.num_free_hbm_blocks + num_unreported_blocks

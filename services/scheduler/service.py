@@ -1,10 +1,12 @@
 """The scheduler service: the pure RotaSched core between gateways and one worker.
 
     gateways ──DEALER──▶ ROUTER [scheduler] DEALER ◀──DEALER── worker
-                         (bind)              (bind)
+                         (bind)      ▲       (bind)
+    superinfer queues ──DEALER──▶ ROUTER (admin, bind)
 
 One loop: receive (bounded per tick) → dispatch → step → send. The core never sees a
-socket or the clock; this file feeds it `now` and moves its Plans and outputs.
+socket or the clock; this file feeds it `now` and moves its Plans and outputs, and tells
+the `Observer` (admin.py) what happened so operators can see it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import signal
 import time
 import uuid
@@ -21,15 +24,18 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from services.scheduler import admin
 from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
+from services.scheduler.metrics import Flight, trace_line
 from shared import config, protocol as p
 from shared.log import setup_logging
 
 MAX_RECV_PER_TICK = 256
+MAX_ADMIN_PER_TICK = 16  # admin queries are O(live requests): few per tick
 STATS_INTERVAL_S = 1.0
 STATS_MIN_GAP_S = 0.05
 INVARIANT_CHECK_EVERY = 200  # steps
-STALL_THRESHOLD_S = 0.001
+DRAINING_MESSAGE = "the scheduler is draining: it admits no new requests"
 # SchedulerStats fields taken as they are from the core's stats().
 _STATS_COUNTS = [f for f in p.SchedulerStats.__struct_fields__ if f.startswith("num_")]
 
@@ -57,6 +63,8 @@ class SchedulerService:
         log,
         pipeline_depth: int = 2,
         step_trace: str | None = None,
+        admin_bind: str | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.log = log
@@ -64,13 +72,16 @@ class SchedulerService:
         self.ctx = zmq.asyncio.Context()
         self.front = self._socket(zmq.ROUTER, bind)
         self.back = self._socket(zmq.DEALER, worker_bind)
+        self.admin = self._admin_socket(admin_bind)
+        self.admin_token = admin_token
+        self.observer = admin.Observer(log, time.monotonic())
+        self._draining = False
         self.core: SchedulerCore | None = None
         self.worker: p.WorkerReady | None = None
         self.owner: dict[str, bytes] = {}  # request_id -> gateway identity
         self.gateways: set[bytes] = set()
         self.pending: list[tuple[bytes, p.AddRequest]] = []  # arrived before the worker
-        # Steps sent and not yet reported, oldest first: (step id, schedule seconds, after_idle).
-        self.in_flight: deque[tuple[int, float, bool]] = deque()
+        self.in_flight: deque[Flight] = deque()  # plans sent and not yet reported, oldest first
         self.idle = True  # nothing in flight and nothing to schedule
         self.pipeline_depth = pipeline_depth
         self.trace = open(step_trace, "a", buffering=1) if step_trace else None
@@ -78,6 +89,16 @@ class SchedulerService:
         self.last_stats = 0.0
         self.stats_changed = False
         self.stopping = False
+
+    @property
+    def draining(self) -> bool:
+        """Refuse new requests, finish the live ones (`superinfer drain`)."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        self.stats_changed = True  # gateways learn it with the next report
 
     def _socket(self, kind: int, addr: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(kind)
@@ -89,23 +110,37 @@ class SchedulerService:
         sock.bind(addr)
         return sock
 
+    def _admin_socket(self, addr: str | None) -> zmq.asyncio.Socket | None:
+        """The admin endpoint is a convenience: an address in use disables it, not serving."""
+        if not addr or addr == "off":
+            return None
+        try:
+            return self._socket(zmq.ROUTER, addr)
+        except zmq.ZMQError as e:
+            self.log.error("admin endpoint disabled", addr=addr, error=str(e))
+            return None
+
     async def run(self) -> None:
         poller = zmq.asyncio.Poller()
         poller.register(self.front, zmq.POLLIN)
         poller.register(self.back, zmq.POLLIN)
-        self.log.info("scheduler up", policy=self.cfg.policy)
+        if self.admin is not None:
+            poller.register(self.admin, zmq.POLLIN)
+        self.log.info("scheduler up", policy=self.cfg.policy, admin=self.admin is not None)
         while not self.stopping:
             events = dict(await poller.poll(timeout=100))
             if self.front in events:
                 await self._drain(self.front, self._on_gateway)
             if self.back in events:
                 await self._drain(self.back, self._on_worker)
+            if self.admin in events:
+                await self._drain(self.admin, self._on_admin, MAX_ADMIN_PER_TICK)
             self._maybe_step()
             self._maybe_send_stats()
         self.close()
 
-    async def _drain(self, sock: zmq.asyncio.Socket, handler) -> None:
-        for _ in range(MAX_RECV_PER_TICK):
+    async def _drain(self, sock: zmq.asyncio.Socket, handler, limit: int = MAX_RECV_PER_TICK) -> None:
+        for _ in range(limit):
             try:
                 frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -134,26 +169,54 @@ class SchedulerService:
                 else:
                     self._add(identity, msg)
             case p.AbortRequest(request_id=rid):
-                self.pending = [(i, m) for i, m in self.pending if m.request_id != rid]
-                out = self.core.abort_request(rid, time.monotonic()) if self.core else None
-                owner = self.owner.pop(rid, None)
-                self.stats_changed = True
-                if out is not None and owner is not None:
-                    self._reply(owner, p.StepOutputs([out]))
+                self.abort(rid)
+
+    def abort(self, rid: str) -> bool:
+        """Abort a live or pending request (its gateway is told); False if there is none."""
+        told = [i for i, m in self.pending if m.request_id == rid]
+        self.pending = [(i, m) for i, m in self.pending if m.request_id != rid]
+        now = time.monotonic()
+        out = self.core.abort_request(rid, now) if self.core else None
+        owner = self.owner.pop(rid, None)
+        self.stats_changed = True
+        if out is not None:
+            out.attribution = self.observer.ended(rid, "abort", now)
+            told += [owner] if owner is not None else []
+        for identity in told:
+            self._reply(identity, p.StepOutputs([out or p.TokenOutput(rid, [], "abort")]))
+        return out is not None or bool(told)
 
     def _add(self, identity: bytes, req: p.AddRequest) -> None:
+        if self.draining:
+            self._refuse(identity, req.request_id, DRAINING_MESSAGE, "service_unavailable")
+            return
+        now = time.monotonic()
         try:
-            self.core.add_request(req, time.monotonic())
+            self.core.add_request(req, now)
         except Overloaded as e:
-            self._reply(identity, p.RequestError(req.request_id, str(e), "overloaded"))
+            self._refuse(identity, req.request_id, str(e), "overloaded")
             return
         except ValueError as e:
-            self._reply(identity, p.RequestError(req.request_id, str(e), "invalid_request_error"))
+            self._refuse(identity, req.request_id, str(e), "invalid_request_error")
             return
         self.owner[req.request_id] = identity
+        self.observer.added(self.core.requests[req.request_id], now)
+
+    def _refuse(self, identity: bytes, rid: str, message: str, kind: str) -> None:
+        self.log.info("request_refused", request_id=rid, type=kind, error=message)
+        self._reply(identity, p.RequestError(rid, message, kind))
 
     def _reply(self, identity: bytes, msg) -> None:
         self.front.send_multipart([identity, p.encode(msg)], flags=zmq.NOBLOCK)
+
+    # ------------------------------------------------------------ operator side
+
+    def _on_admin(self, frames: list[bytes]) -> None:
+        """[identity, (empty delimiter from a REQ,) payload] in; the same envelope out."""
+        if len(frames) < 2:
+            return
+        reply = admin.handle(frames[-1], self, time.monotonic())
+        self.admin.send_multipart([*frames[:-1], p.encode(reply)], flags=zmq.NOBLOCK)
 
     # ------------------------------------------------------------ worker side
 
@@ -177,6 +240,7 @@ class SchedulerService:
             self.log.warning("worker reconnected; failing in-flight requests")
             self._fail_all("worker restarted")
         self.worker = ready
+        self.observer.block_bytes = ready.block_bytes
         # The worker owns the KV layout, so its block size wins.
         cfg = dataclasses.replace(self.cfg, block_size=ready.block_size)
         self.core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len)
@@ -193,14 +257,17 @@ class SchedulerService:
             self._add(identity, req)
 
     def _on_result(self, result: p.StepResult) -> None:
-        if not self.in_flight or result.step_id != self.in_flight[0][0]:
+        if not self.in_flight or result.step_id != self.in_flight[0].step_id:
             self.log.warning("unexpected step result", step_id=result.step_id)
             return
-        _, schedule_s, after_idle = self.in_flight.popleft()
+        flight = self.in_flight.popleft()
         self.stats_changed = True
-        outputs = self.core.update(result, time.monotonic())
+        now = time.monotonic()
+        outputs = self.core.update(result, now)
+        stalled = self.observer.stepped(flight, result, now)
+        self.observer.outputs(outputs, now)
         if self.trace:
-            self._trace(result, schedule_s, after_idle)
+            self._trace(result, flight, stalled)
         by_owner: dict[bytes, list[p.TokenOutput]] = defaultdict(list)
         for out in outputs:
             owner = self.owner.get(out.request_id)
@@ -219,6 +286,7 @@ class SchedulerService:
         for rid, owner in self.owner.items():
             self._reply(owner, p.RequestError(rid, reason, "internal_error"))
         self.owner.clear()
+        self.observer.reset()
         self.core = None
         self.in_flight.clear()
 
@@ -229,41 +297,19 @@ class SchedulerService:
         while t computes (the core assumes one new token per decoding request)."""
         while self.core is not None and len(self.in_flight) < self.pipeline_depth:
             t0 = time.perf_counter()
-            plan = self.core.schedule(time.monotonic())
+            now = time.monotonic()
+            was_running = list(self.core.running.values())
+            plan = self.core.schedule(now)
             if plan is None:
                 self.idle = self.idle or not self.in_flight
                 return
             self.back.send(p.encode(plan), flags=zmq.NOBLOCK)
-            self.in_flight.append((plan.step_id, time.perf_counter() - t0, self.idle))
+            self.in_flight.append(Flight.of(plan, self.core.last_step, time.perf_counter() - t0, self.idle))
             self.idle = False
+            self.observer.planned(self.core, was_running, now)
 
-    def _trace(self, result: p.StepResult, schedule_s: float, after_idle: bool) -> None:
-        """One JSON line per step; `stalled`: compute waited on a swap-in, or the busy
-        worker sat idle waiting for this plan (the first plan after an idle spell is no stall)."""
-        t = result.timings
-        stalled = t.transfer_wait_s > STALL_THRESHOLD_S or (
-            not after_idle and t.plan_wait_s > STALL_THRESHOLD_S
-        )
-        stats = self.core.stats()
-        self.trace.write(
-            msgspec.json.encode(
-                {
-                    "step_id": result.step_id,
-                    "t": time.time(),
-                    "schedule_s": schedule_s,
-                    "transfer_s": t.transfer_s,
-                    "compute_s": t.compute_s,
-                    "transfer_wait_s": t.transfer_wait_s,
-                    "plan_wait_s": t.plan_wait_s,
-                    "stalled": stalled,
-                    "num_tokens": len(result.token_ids),
-                    "num_running": stats["num_running"],
-                    "num_waiting": stats["num_waiting"],
-                    "num_rotary": stats["num_rotary"],
-                }
-            ).decode()
-            + "\n"
-        )
+    def _trace(self, result: p.StepResult, flight: Flight, stalled: bool) -> None:
+        self.trace.write(trace_line(result, flight, stalled, self.core.stats(), time.time()))
 
     def _maybe_send_stats(self) -> None:
         """A load report after a change (at most every STATS_MIN_GAP_S), and at least every
@@ -276,6 +322,8 @@ class SchedulerService:
         self.stats_changed = False
         for identity in self.gateways:
             self._send_stats_to(identity)
+        if self.core is not None:
+            self.observer.publish(self.core, self.draining, now)
 
     def _send_stats_to(self, identity: bytes) -> None:
         self._reply(identity, self.stats())
@@ -288,22 +336,32 @@ class SchedulerService:
             model_name=w.model_name if w else "",
             max_model_len=w.max_model_len if w else 0,
             worker_ready=self.core is not None,
+            draining=self.draining,
             **{k: counts.get(k, 0) for k in _STATS_COUNTS},
         )
 
     def close(self) -> None:
         if self.trace:
             self.trace.close()
-        self.front.close()
-        self.back.close()
+        for sock in (self.front, self.back, self.admin):
+            if sock is not None:
+                sock.close()
         self.ctx.term()
 
 
 def run(args: argparse.Namespace) -> int:
     log = setup_logging("scheduler", args.log_level)
     service = SchedulerService(
-        core_config(args), args.bind, args.worker_bind, log, args.pipeline_depth, args.step_trace
+        core_config(args),
+        args.bind,
+        args.worker_bind,
+        log,
+        args.pipeline_depth,
+        args.step_trace,
+        admin_bind=args.admin_bind,
+        admin_token=args.admin_token or os.environ.get(admin.TOKEN_ENV) or None,
     )
+    metrics_server = service.observer.metrics.serve(args.metrics_host, args.metrics_port, log)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -312,5 +370,7 @@ def run(args: argparse.Namespace) -> int:
         await service.run()
 
     asyncio.run(main())
+    if metrics_server is not None:
+        metrics_server.shutdown()
     log.info("scheduler stopped")
     return 0

@@ -160,7 +160,9 @@ def _decode_batch(num_cached: list[int], block_tables: list[list[int]], block_si
     return DecodeBatch(torch.tensor(rows, dtype=torch.long), pad_rows, pad_keys, valid[:, None, None, :])
 
 
-def _prefill_segment(q_start: int, num_cached: int, q_len: int, table: list[int], block_size: int) -> PrefillSegment:
+def _prefill_segment(
+    q_start: int, num_cached: int, q_len: int, table: list[int], block_size: int
+) -> PrefillSegment:
     if num_cached == 0:
         return PrefillSegment(q_start, q_len, 0, None, None)
     total = num_cached + q_len

@@ -26,8 +26,7 @@ def load_model(
 ) -> tuple[LlamaModel, ModelConfig]:
     """Our model with the weights at `path` (GGUF file or HF directory), ready for inference."""
     cfg = read_model_config(Path(path))
-    model = LlamaModel(cfg, load_weights(Path(path), cfg), fuse_mlp=torch.device(device).type == "cuda")
-    return model.to(device=device, dtype=dtype).eval(), cfg
+    return LlamaModel(cfg, load_weights(Path(path), cfg), device=device, dtype=dtype).eval(), cfg
 
 
 def kv_block_shape(cfg: ModelConfig, block_size: int) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
+import queue
 import signal
 import threading
 import time
@@ -29,12 +29,12 @@ from shared.modelfile import resolve_model_path
 class StepExecutor:
     """One Plan → one StepResult, in plan order on one step thread.
 
-    A step's copies run both directions at once; compute waits only for the swap-ins it
-    reads; the out-direction copies overlap compute and finish before the step is
-    reported. The next plan's copies start while this step computes (`prefetch`, called
-    from the socket loop when that plan arrives) unless they touch a block this step's
-    compute reads or writes; then they start with their own step (the block reuse rule,
-    services/scheduler/core/blocks.py, part 3)."""
+    Compute waits only for the swap-ins it reads. The out-direction copies (swap-outs and
+    eager mirrors) start with their step, overlap its compute, and finish before the step
+    is reported. The next plan's swap-ins start while this step computes (`prefetch`,
+    called from the socket loop when that plan arrives) unless they target a block this
+    step's compute reads or writes; then they start with their own step (the block reuse
+    rule, services/scheduler/core/blocks.py, part 3)."""
 
     def __init__(self, runner: ModelRunner, engine: TransferEngine) -> None:
         self.runner = runner
@@ -45,18 +45,14 @@ class StepExecutor:
         self._prefetched: dict[int, tuple[Transfer, float]] = {}
 
     def prefetch(self, plan: p.Plan) -> None:
-        if not (plan.swap_in or plan.swap_out or plan.eager):
+        if not plan.swap_in:
             return
         with self._lock:
             if self._computing_step != plan.step_id - 1:
                 return  # the previous step is not computing yet; copy in order later
-            blocks = self._computing_blocks
-            if any(h in blocks for _, h in plan.swap_in) or any(
-                h in blocks for h, _ in (*plan.swap_out, *plan.eager)
-            ):
+            if any(h in self._computing_blocks for _, h in plan.swap_in):
                 return
-            transfer = self.engine.submit(plan.swap_in, plan.swap_out, plan.eager)
-            self._prefetched[plan.step_id] = (transfer, time.perf_counter())
+            self._prefetched[plan.step_id] = (self.engine.submit(plan.swap_in), time.perf_counter())
 
     def try_prefetch(self, plan: p.Plan, log) -> None:
         """`prefetch` from the socket loop: a refusal there is no error (the step submits
@@ -71,17 +67,18 @@ class StepExecutor:
         self.runner.drop(plan.drop)
         self.runner.add_requests(plan.new_requests)
         with self._lock:
-            transfer, started = self._prefetched.pop(plan.step_id, (None, t0))
-            if transfer is None:
-                transfer = self.engine.submit(plan.swap_in, plan.swap_out, plan.eager)
+            swap_in, started = self._prefetched.pop(plan.step_id, (None, t0))
+            if swap_in is None:
+                swap_in = self.engine.submit(plan.swap_in)
+            out = self.engine.submit((), plan.swap_out, plan.eager)
             self._computing_step = plan.step_id
             self._computing_blocks = self.runner.blocks_touched(plan.scheduled)
         t_wait = time.perf_counter()
-        transfer.wait_in()
+        swap_in.wait_in()
         t1 = time.perf_counter()
         ids, tokens = self.runner.execute(plan.scheduled)
         t2 = time.perf_counter()
-        transfer.wait_out()
+        out.wait_out()
         t3 = time.perf_counter()
         moved = plan.swap_in or plan.swap_out or plan.eager
         return p.StepResult(
@@ -106,18 +103,23 @@ class WorkerService:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, config.ZMQ_LINGER_MS)
         self.sock.connect(connect)
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step")
         self.stopping = False
 
     async def run(self) -> None:
         """Receive plans as they come (the scheduler sends step t+1 while t computes) and
-        execute them in order on the step thread."""
+        hand them to the step thread, which executes them in order and posts each result
+        back to this loop."""
         loop = asyncio.get_running_loop()
         await self.sock.send(p.encode(self.ready))
         self.log.info("worker up", hbm_blocks=self.ready.num_hbm_blocks, device=self.ready.device)
-        plans: asyncio.Queue[tuple[p.Plan, float]] = asyncio.Queue()
-        runner = asyncio.create_task(self._execute_in_order(loop, plans))
-        while not self.stopping and not runner.done():
+        plans: queue.SimpleQueue[tuple[p.Plan, float] | None] = queue.SimpleQueue()
+        results: asyncio.Queue = asyncio.Queue()
+        step_thread = threading.Thread(
+            target=self._execute_in_order, args=(plans, loop, results), name="step", daemon=True
+        )
+        step_thread.start()
+        sender = asyncio.create_task(self._send_results(results))
+        while not self.stopping and step_thread.is_alive():
             if not await self.sock.poll(100, zmq.POLLIN):
                 continue
             payload = await self.sock.recv()
@@ -126,25 +128,29 @@ class WorkerService:
             except msgspec.DecodeError as e:
                 self.log.warning("undecodable plan", error=str(e))
                 continue
-            plans.put_nowait((plan, time.perf_counter()))
+            plans.put((plan, time.perf_counter()))
             self.execute.try_prefetch(plan, self.log)
-        runner.cancel()
+        plans.put(None)
+        sender.cancel()
         self.sock.close()
         self.ctx.term()
-        self.pool.shutdown(wait=False)
 
-    async def _execute_in_order(self, loop, plans: asyncio.Queue) -> None:
+    def _execute_in_order(self, plans: queue.SimpleQueue, loop, results: asyncio.Queue) -> None:
+        """The step thread: one plan after another, no event-loop hop between them."""
         idle_since = time.perf_counter()
-        while True:
-            plan, arrived = await plans.get()
-            plan_wait_s = max(0.0, arrived - idle_since)
+        while (item := plans.get()) is not None:
+            plan, arrived = item
             try:
-                reply = await loop.run_in_executor(self.pool, self.execute, plan, plan_wait_s)
+                reply = self.execute(plan, max(0.0, arrived - idle_since))
             except Exception as e:  # a failed step is reported, not fatal to the loop
                 self.log.exception("step failed", step_id=plan.step_id)
                 reply = p.WorkerError(plan.step_id, f"{type(e).__name__}: {e}")
-            await self.sock.send(p.encode(reply))
+            loop.call_soon_threadsafe(results.put_nowait, reply)
             idle_since = time.perf_counter()
+
+    async def _send_results(self, results: asyncio.Queue) -> None:
+        while True:
+            await self.sock.send(p.encode(await results.get()))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -176,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_model_len=min(cfg.max_position, pools.num_hbm_blocks * args.block_size),
         device=str(device),
+        block_bytes=spec.block_bytes,
     )
     service = WorkerService(args.connect, ready, StepExecutor(runner, engine), log)
 

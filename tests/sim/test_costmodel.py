@@ -68,7 +68,9 @@ def test_roofline_regimes_on_gh200():
     """A small decode batch is bound by reading the weights; a long prefill by FLOPs."""
     hw, m = load_hardware("gh200"), MODELS["qwen2.5-32b"]
     weights_s = m.num_params * 2 / (hw.hbm_bw * hw.hbm_efficiency)
-    assert compute_time(hw, m, work(num_decodes=8, context=100)) == pytest.approx(weights_s + hw.step_overhead_s, rel=0.02)
+    assert compute_time(hw, m, work(num_decodes=8, context=100)) == pytest.approx(
+        weights_s + hw.step_overhead_s, rel=0.02
+    )
     flops_s = 2 * m.active_layer_params * 8192 / (hw.flops * hw.compute_efficiency)
     assert compute_time(hw, m, work(num_prefill=8192)) > flops_s
 

@@ -22,9 +22,11 @@ def items_of(num: int, rate: float, seed: int = 0, prompt=(20, 400), output=(10,
     return with_arrivals(items, arrival_times(num, rate, 1.0, seed))
 
 
-def setup_of(policy: str, hbm: int | None = None, mode: str = "duplex", check: bool = False, **kw) -> sim.SimSetup:
+def setup_of(
+    policy: str, hbm: int | None = None, mode: str = "duplex", check: bool = False, dram: int | None = None, **kw
+) -> sim.SimSetup:
     cfg = SchedulerConfig(policy=policy, max_batched_tokens=2048, max_num_seqs=256, **kw)
-    return sim.make_setup(load_hardware("gh200"), QWEN, cfg, mode, hbm=hbm, check=check)
+    return sim.make_setup(load_hardware("gh200"), QWEN, cfg, mode, hbm=hbm, dram=dram, check=check)
 
 
 def strip_wall(rows: list[dict]) -> list[dict]:
@@ -34,23 +36,28 @@ def strip_wall(rows: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------- the clock
 
 
-def test_clock_pipeline_overlaps_scheduling_and_copies_with_compute():
-    c = sim.Clock(pipeline=True)
-    assert c.step(now=0.0, sched_s=0.01, compute_s=0.05, in_s=0.0, xfer_s=0.0, reads_in=False) == pytest.approx(0.06)
-    # Planned while step 1 computed (from 0.01): scheduling (0.01) and the 0.03 s swap-in
-    # are hidden behind its compute; compute starts when step 1 ends.
-    assert c.step(0.06, 0.01, 0.05, 0.03, 0.03, True) == pytest.approx(0.11)
-    # A swap-in longer than the previous compute stalls the step: ready at 0.06+0.01+0.2.
-    assert c.step(0.11, 0.01, 0.05, 0.2, 0.2, True) == pytest.approx(0.32)
-    # Swap-outs only hold the link; the next swap-in queues behind them (in at 0.78).
-    c.step(0.32, 0.0, 0.05, 0.0, 0.5, False)  # link busy until 0.27 + 0.5
-    assert c.step(0.37, 0.0, 0.05, 0.01, 0.01, True) == pytest.approx(0.77 + 0.01 + 0.05)
+def test_clock_overlapping_copies_hide_behind_the_previous_compute():
+    c = sim.Clock(overlap_copies=True)
+    # Idle worker: planned at 0, scheduling 0.01, compute 0.05.
+    assert c.step(0.0, 0.0, 0.01, 0.05, 0.0, 0.0, False) == pytest.approx((0.01, 0.06))
+    # Planned when step 1 started (0.01): scheduling and a 0.03 s swap-in end by 0.05,
+    # under step 1's compute; compute starts when step 1 ends.
+    assert c.step(0.01, 0.06, 0.01, 0.05, 0.03, 0.03, True) == pytest.approx((0.06, 0.11))
+    # A swap-in longer than the previous compute stalls the step.
+    assert c.step(0.06, 0.11, 0.01, 0.05, 0.2, 0.2, True) == pytest.approx((0.27, 0.32))
+    # Swap-outs only hold the link (until 0.27 + 0.5); the next swap-in queues behind them.
+    assert c.step(0.27, 0.32, 0.0, 0.05, 0.0, 0.5, False) == pytest.approx((0.32, 0.37))
+    assert c.step(0.32, 0.37, 0.0, 0.05, 0.01, 0.01, True) == pytest.approx((0.78, 0.83))
 
 
-def test_clock_without_pipeline_runs_everything_in_series():
-    c = sim.Clock(pipeline=False)
-    assert c.step(0.0, 0.01, 0.05, 0.02, 0.03, True) == pytest.approx(0.09)
-    assert c.step(0.09, 0.01, 0.05, 0.0, 0.0, False) == pytest.approx(0.15)
+def test_clock_serial_copies_follow_the_previous_step():
+    """As the live worker runs plans: copies start after the previous step, compute waits
+    for the swap-ins, the step ends when compute and the out-copies are done."""
+    c = sim.Clock(overlap_copies=False)
+    assert c.step(0.0, 0.0, 0.01, 0.05, 0.02, 0.03, True) == pytest.approx((0.03, 0.08))
+    # Planned at 0.03 while step 1 computes; its copies wait for step 1's end (0.08).
+    assert c.step(0.03, 0.08, 0.01, 0.05, 0.02, 0.02, True) == pytest.approx((0.10, 0.15))
+    assert c.step(0.10, 0.15, 0.0, 0.05, 0.0, 0.2, False) == pytest.approx((0.15, 0.35))  # out-copies outlast compute
 
 
 # ---------------------------------------------------------------- runs
@@ -58,7 +65,7 @@ def test_clock_without_pipeline_runs_everything_in_series():
 
 def test_every_request_gets_exactly_its_output_length():
     items = items_of(40, rate=5.0)
-    run = sim.simulate(items, setup_of("lvf", hbm=200, check=True))
+    run = sim.simulate(items, setup_of("lvf", hbm=200, dram=400, check=True))
     for it, rec in zip(items, run.records):
         assert rec.ok and rec.output_tokens == it.output_tokens
         assert len(rec.tbt_s) == it.output_tokens - 1
@@ -69,12 +76,32 @@ def test_every_request_gets_exactly_its_output_length():
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_invariants_hold_after_every_step_under_memory_pressure(policy):
-    """HBM holds ~4 requests' worth, DRAM a few more: preemption, rotation and the
-    recompute fallback all happen; the core's invariants are checked every step."""
+    """HBM holds a few requests' worth, DRAM a few more: preemption, rotation and the
+    recompute fallback (DRAM full) all happen; the invariants are checked every step."""
     items = items_of(60, rate=30.0, seed=1)
-    run = sim.simulate(items, setup_of(policy, hbm=80, check=True, xfer_budget=64))
+    run = sim.simulate(items, setup_of(policy, hbm=80, dram=60, check=True, xfer_budget=64))
     assert run.stats["num_finished"] == len(items)
     assert run.stats["num_preemptions"] > 0
+    if policy != "fcfs":
+        assert run.stats["num_rotations_out"] > 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_pipeline_depths_agree_on_outputs(depth):
+    items = items_of(40, rate=10.0, seed=5)
+    run = sim.simulate(items, replace(setup_of("lvf", hbm=150, dram=300, check=True), pipeline_depth=depth))
+    assert [r.output_tokens for r in run.records] == [it.output_tokens for it in items]
+
+
+def test_planning_ahead_hides_scheduling_time():
+    """Depth 2 builds plan t+1 while t computes: a scheduling cost below the step's compute
+    costs nothing; depth 1 pays it every step."""
+    items = items_of(30, rate=2.0, seed=6)
+    base = setup_of("fcfs")
+    slow = replace(base, sched_time="20")  # 20 ms per schedule() call
+    d2 = [sim.simulate(items, replace(s, pipeline_depth=2)).duration_s for s in (base, slow)]
+    d1 = [sim.simulate(items, replace(s, pipeline_depth=1)).duration_s for s in (base, slow)]
+    assert d2[1] - d2[0] < 0.25 * (d1[1] - d1[0])
 
 
 def test_same_seed_same_rows():
@@ -120,22 +147,53 @@ def test_cli_writes_rows(tmp_path, monkeypatch):
     out_json, out_csv = tmp_path / "rows.json", tmp_path / "rows.csv"
     parser = sim.argparse.ArgumentParser()
     sim.add_arguments(parser)
-    args = parser.parse_args(["--rates", "2,8", "--policies", "lvf,wf", "--alpha", "1,3", "--json", str(out_json), "--csv", str(out_csv)])
+    args = parser.parse_args(
+        ["--rates", "2,8", "--policies", "lvf,wf", "--alpha", "1,3", "--json", str(out_json), "--csv", str(out_csv)]
+    )
     assert sim.run(args) == 0
     rows = json.loads(out_json.read_text())["rows"]
     assert len(rows) == 2 * 2 * 2
-    assert {(r["policy"], r["rate"], r["alpha"]) for r in rows} == {(p, r, a) for p in ("lvf", "wf") for r in (2.0, 8.0) for a in (1.0, 3.0)}
-    for key in ("policy", "rate", "ttft_attainment", "tbt_attainment", "throughput_tok_s", "ttft_p99_ms", "num_preemptions"):
+    assert {(r["policy"], r["rate"], r["alpha"]) for r in rows} == {
+        (p, r, a) for p in ("lvf", "wf") for r in (2.0, 8.0) for a in (1.0, 3.0)
+    }
+    for key in (
+        "policy",
+        "rate",
+        "ttft_attainment",
+        "tbt_attainment",
+        "throughput_tok_s",
+        "ttft_p99_ms",
+        "num_preemptions",
+    ):
         assert key in rows[0]
     assert out_csv.read_text().count("\n") == len(rows) + 1
 
 
 def test_calibrated_profile_refuses_other_models(tmp_path):
     profile = json.loads((sim.Path(sim.__file__).parent / "profiles" / "gh200.json").read_text())
-    profile["linear"] = {"model": "smollm2", "overhead_s": 0.01, "prefill_token_s": 1e-3, "decode_token_s": 1e-3, "kv_token_s": 1e-6}
+    profile["linear"] = {
+        "model": "smollm2",
+        "overhead_s": 0.01,
+        "prefill_token_s": 1e-3,
+        "decode_token_s": 1e-3,
+        "kv_token_s": 1e-6,
+    }
     path = tmp_path / "lin.json"
     path.write_text(json.dumps(profile))
     parser = sim.argparse.ArgumentParser()
     sim.add_arguments(parser)
     with pytest.raises(ValueError, match="calibrated on"):
         sim.run(parser.parse_args(["--hardware", str(path), "--model", "qwen2.5-32b"]))
+
+
+def test_trace_arrivals_are_detected(tmp_path):
+    timed, untimed = tmp_path / "t.jsonl", tmp_path / "u.jsonl"
+    timed.write_text('\n{"prompt": "hi", "output_tokens": 4, "arrival_s": 0.5}\n')
+    untimed.write_text('{"prompt": "hi", "output_tokens": 4}\n')
+    assert sim.trace_has_arrivals(timed) and not sim.trace_has_arrivals(untimed)
+
+
+def test_a_timed_trace_keeps_its_arrivals():
+    items = [WorkItem("", 50, 5, t) for t in (0.0, 3.0, 7.0)]
+    row = sim.sweep(items, [sim.Job(100.0, setup_of("fcfs"))], 5.0, 0.1, redraw=False)[0]
+    assert row["duration_s"] > 7.0  # not squeezed into 100 req/s

@@ -72,10 +72,11 @@ def tokenizer(model_path):
 @pytest.fixture(scope="session")
 def chat_prompts(tokenizer) -> list[list[int]]:
     """The CHATS as chat-formatted token ids (the GGUF's own template), all of different lengths."""
-    prompts = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-        for c in CHATS
-    ]
+    prompts = []
+    for chat in CHATS:
+        messages = [{"role": "user", "content": chat}]
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        prompts.append(list(encoded["input_ids"]))
     assert len({len(p) for p in prompts}) == len(prompts)
     return prompts
 
@@ -108,7 +109,9 @@ def generate_together(runner, requests: list[NewRequestData], num_new: int, seed
     rids = [r.request_id for r in requests]
     runner.add_requests(requests)
     tables = {r.request_id: [free.pop() for _ in range(blocks_for(len(r.prompt_token_ids)))] for r in requests}
-    first = [ScheduledRequest(r.request_id, 0, len(r.prompt_token_ids), block_table=tables[r.request_id]) for r in requests]
+    first = [
+        ScheduledRequest(r.request_id, 0, len(r.prompt_token_ids), block_table=tables[r.request_id]) for r in requests
+    ]
     assert runner.execute(first)[0] == rids
     for _ in range(num_new - 1):
         step = []

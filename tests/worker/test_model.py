@@ -19,7 +19,6 @@ def batched_outputs(model, cfg, chat_prompts):
     return generate_together(runner, [greedy(f"r{i}", p) for i, p in enumerate(chat_prompts)], NUM_NEW_TOKENS)
 
 
-@pytest.mark.slow
 def test_batched_greedy_equals_transformers_generate(batched_outputs, hf_model, chat_prompts, cfg):
     """THE acceptance test: four chats served together == transformers' greedy generate of
     each alone, token for token, for 64 new tokens."""

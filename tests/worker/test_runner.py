@@ -44,6 +44,7 @@ def test_preempted_requests_recompute_to_identical_tokens(make_runner, chat_prom
     assert ids == ["r0", "r1"]
     # r2 preempted mid-prefill: recomputed from 0 in fresh blocks.
     _poison(runner, tables["r2"])
+    released = list(tables["r2"])
     tables["r2"] = blocks.take(blocks_for(len(prompts[2]) + NUM_NEW))
     step = [ScheduledRequest("r2", 0, len(prompts[2]), block_table=tables["r2"])] + _decodes(runner, ["r0", "r1"])
     assert runner.execute(step)[0] == ["r2", "r0", "r1"]  # in the order scheduled
@@ -51,19 +52,22 @@ def test_preempted_requests_recompute_to_identical_tokens(make_runner, chat_prom
         runner.execute(_decodes(runner, ["r0", "r1", "r2"]))
     # r0 preempted mid-decode; r1, r2 go on without it for two steps.
     _poison(runner, tables["r0"])
+    released += tables["r0"]
     for _ in range(2):
         runner.execute(_decodes(runner, ["r1", "r2"]))
     tables["r0"] = blocks.take(blocks_for(len(prompts[0]) + NUM_NEW))
     known = len(runner.token_ids("r0"))
     chunk = known - 9
-    ids, _ = runner.execute(_decodes(runner, ["r1", "r2"]) + [ScheduledRequest("r0", 0, chunk, block_table=tables["r0"])])
+    step = _decodes(runner, ["r1", "r2"]) + [ScheduledRequest("r0", 0, chunk, block_table=tables["r0"])]
+    ids, _ = runner.execute(step)
     assert ids == ["r1", "r2"]  # r0's first chunk does not reach its last token: no sample
     ids, _ = runner.execute([ScheduledRequest("r0", chunk, known - chunk)] + _decodes(runner, ["r1", "r2"]))
     assert ids == ["r0", "r1", "r2"]
-    while any(len(runner.token_ids(f"r{i}")) < len(p) + NUM_NEW for i, p in enumerate(prompts)):
-        runner.execute(_decodes(runner, [f"r{i}" for i, p in enumerate(prompts) if len(runner.token_ids(f"r{i}")) < len(p) + NUM_NEW]))
+    while unfinished := [f"r{i}" for i, p in enumerate(prompts) if len(runner.token_ids(f"r{i}")) < len(p) + NUM_NEW]:
+        runner.execute(_decodes(runner, unfinished))
     got = [runner.token_ids(f"r{i}")[len(p) :] for i, p in enumerate(prompts)]
     assert got == want
+    assert torch.isnan(runner.kv_pool[released]).all(), "a replaced block table was still written"
 
 
 def test_chunked_prefill_equals_one_shot(make_runner, chat_prompts):
@@ -78,7 +82,8 @@ def test_chunked_prefill_equals_one_shot(make_runner, chat_prompts):
     assert one.execute([ScheduledRequest("a", 0, n, block_table=table)])[0] == ["a"]
     cuts = [0, 7, 23, 48, n]
     for start, end in zip(cuts, cuts[1:]):
-        ids, _ = chunked.execute([ScheduledRequest("a", start, end - start, block_table=table if start == 0 else None)])
+        table_once = table if start == 0 else None
+        ids, _ = chunked.execute([ScheduledRequest("a", start, end - start, block_table=table_once)])
         assert ids == (["a"] if end == n else [])
     cached = slice(0, blocks_for(n))
     torch.testing.assert_close(chunked.kv_pool[cached], one.kv_pool[cached], atol=1e-4, rtol=1e-4)
@@ -119,7 +124,10 @@ def test_kv_block_sizing(cfg, model):
     assert kv_block_bytes(cfg, 16) == 30 * 2 * 16 * 3 * 64 * 4
     assert kv_block_bytes(cfg, 16, torch.bfloat16) == 30 * 2 * 16 * 3 * 64 * 2
     wrong = allocate_kv_pool(cfg, 4, 8, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="kv_pool"):
+    with pytest.raises(ValueError, match="kv_pool blocks"):
+        ModelRunner(model, cfg, wrong, BLOCK_SIZE, "cpu")
+    wrong = allocate_kv_pool(cfg, 4, BLOCK_SIZE, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="kv_pool is"):
         ModelRunner(model, cfg, wrong, BLOCK_SIZE, "cpu")
 
 

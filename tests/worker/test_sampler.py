@@ -80,10 +80,12 @@ def test_seeded_generation_is_reproducible(make_runner, chat_prompts):
     prompt = chat_prompts[0]
 
     def seeded(rid: str, seed: int, **kw) -> NewRequestData:
-        return NewRequestData(rid, prompt, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=seed, **kw))
+        params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=seed, **kw)
+        return NewRequestData(rid, prompt, params)
 
     alone = generate_together(make_runner(), [seeded("s", 1234)], 12)[0]
-    crowded = generate_together(make_runner(), [greedy("g", chat_prompts[2]), seeded("s", 1234), seeded("t", 99)], 12)
+    neighbours = [greedy("g", chat_prompts[2]), seeded("s", 1234), seeded("t", 99)]
+    crowded = generate_together(make_runner(), neighbours, 12)
     assert crowded[1] == alone
     assert crowded[2] != alone
     top1 = generate_together(make_runner(), [seeded("k", 5, top_k=1), greedy("g", prompt)], 12)

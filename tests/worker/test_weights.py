@@ -9,6 +9,7 @@ import torch
 
 from services.worker.attention import build_metadata
 from services.worker.runner import allocate_kv_pool, load_model
+from services.worker import model as model_module
 from services.worker.weights import expected_names, gguf_to_hf_name, unpermute_rope_rows
 
 BLOCK = 4
@@ -38,7 +39,8 @@ def test_gguf_names():
 def test_bundled_gguf_loads_complete_in_hf_layout(weights, cfg):
     assert weights.keys() == expected_names(cfg)  # tied: no lm_head
     assert weights["model.embed_tokens.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
-    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
+    k_proj = weights["model.layers.0.self_attn.k_proj.weight"]
+    assert k_proj.shape == (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size)
     assert weights["model.layers.29.mlp.down_proj.weight"].shape == (cfg.hidden_size, cfg.intermediate_size)
     assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())
 
@@ -74,10 +76,17 @@ def _tiny_checkpoint(tmp_path, arch: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_hf_directory_model_matches_transformers(tmp_path, arch):
+@pytest.mark.parametrize("arch, packed", [("llama", True), ("qwen2", True), ("llama", False), ("qwen2", False)])
+def test_hf_directory_model_matches_transformers(tmp_path, monkeypatch, arch, packed):
+    """Both families, with weights packed for oneDNN and in the plain [in, out] layout
+    (the path GPUs and torch builds without oneDNN take)."""
+    if packed and model_module._onednn_pack(torch.eye(4)) is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    if not packed:
+        monkeypatch.setattr(model_module, "_onednn_pack", lambda weight: None)
     theirs_model = _tiny_checkpoint(tmp_path, arch)
     ours_model, cfg = load_model(tmp_path, "cpu")
+    assert (ours_model.layers[0].qkv.packed is not None) == packed
     assert cfg.attention_bias == (arch == "qwen2")
     assert cfg.tie_embeddings == (arch == "qwen2")
     assert cfg.rope_theta == 50000.0
@@ -105,3 +114,21 @@ def test_missing_tensor_is_named(tmp_path):
     save_file(tensors, str(path))
     with pytest.raises(ValueError, match="lacks 1 tensors"):
         load_model(tmp_path, "cpu")
+
+
+def test_bfloat16_model_stays_close_to_float32(tmp_path):
+    """dtype is a load-time choice; rope angles stay float32 whatever the weights are."""
+    _tiny_checkpoint(tmp_path, "qwen2")
+    ref, cfg = load_model(tmp_path, "cpu")
+    half, _ = load_model(tmp_path, "cpu", dtype=torch.bfloat16)
+    n = 40
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(2))
+    logits = []
+    for model, dtype in ((ref, torch.float32), (half, torch.bfloat16)):
+        pool = allocate_kv_pool(cfg, 10, BLOCK, dtype, "cpu")
+        meta = build_metadata([0], [n], [list(range(10))], BLOCK, "cpu")
+        with torch.inference_mode():
+            logits.append(model(ids, torch.arange(n), meta, pool, torch.arange(n)))
+    assert logits[1].dtype == torch.float32
+    assert (logits[1] - logits[0]).abs().max() < 0.1 * logits[0].abs().max()
+    assert half._rope_inv_freq(torch.device("cpu")).dtype == torch.float32

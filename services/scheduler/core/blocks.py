@@ -23,19 +23,22 @@ cross-iteration pipeline it starts plan t+1's copies while plan t still runs. So
    block whose swap-out is still in flight, neither in the same step nor in a plan
    built while that step runs. (The worker reports a step only once its copies are done.)
 2. A block whose content is no longer needed (a finished, aborted or recompute-preempted
-   request, or a synced HBM block that already has a DRAM mirror) is freed at once and may
-   be a swap-in target or a compute target in the same plan. This is what eager rotation
-   buys: a preempted request's mirrored blocks are reusable immediately and only its
-   dirty last block is copied.
-3. Plans are applied in order, and the worker keeps per-block events for the rest: a
-   copy or compute that touches a block waits for the earlier plan's compute or copy of
-   that block. In particular, when plan t+1 is built while t runs, a swap-in of t+1 may
-   target a block freed under rule 2 that t's compute still reads, an eager copy or a
-   swap-out of t+1 may read a block that t's compute is still writing, and a DRAM block
-   freed under rule 2 may be written by t+1 while t's copy into it is still running.
+   request, or a synced HBM block that already has a DRAM mirror) is freed at once, or,
+   when a step still in flight computes on it or swaps it in, once that step has
+   reported (`Memory.free_hbm`). So a plan's swap-ins never target a block the step
+   computing before it touches, and the worker can start them during that step. This is
+   what eager rotation buys: a preempted request's mirrored blocks are reusable at once
+   (or one step later) and only its dirty last block is copied.
+3. Plans are applied in order. What remains for the worker: a plan's swap-outs and
+   eager copies may read blocks that the step before it is still writing (so they start
+   only once that step's compute is done), and a DRAM block freed under rule 2 may be
+   written by a plan while an earlier copy into it still runs (the transfer engine
+   orders copies that share a block).
 """
 
 from __future__ import annotations
+
+import bisect
 
 
 class BlockPool:
@@ -69,13 +72,14 @@ class BlockPool:
         self._free.extend(reversed(ids))
 
     def defer(self, ids: list[int], step_id: int) -> None:
-        """Free once the result of step `step_id` is in (rule 1 above)."""
+        """Free once the result of step `step_id` is in (rules 1 and 2 above)."""
         if not ids:
             return
-        if self._deferred and self._deferred[-1][0] == step_id:
-            self._deferred[-1][1].extend(ids)
+        i = bisect.bisect_right(self._deferred, step_id, key=lambda e: e[0])
+        if i and self._deferred[i - 1][0] == step_id:
+            self._deferred[i - 1][1].extend(ids)
         else:
-            self._deferred.append((step_id, list(ids)))
+            self._deferred.insert(i, (step_id, list(ids)))
         self.num_deferred += len(ids)
 
     def release_through(self, step_id: int) -> None:

@@ -19,6 +19,7 @@ class Memory:
         self.num_swapped_in = 0  # blocks
         self.num_swapped_out = 0
         self.num_mirrored = 0
+        self.done_through = -1  # every step up to this one has reported its result
 
     # ------------------------------------------------------------ growth
 
@@ -37,9 +38,18 @@ class Memory:
 
     # ------------------------------------------------------------ release
 
+    def free_hbm(self, req: Request, ids: list[int]) -> None:
+        """Free HBM blocks whose content `req` no longer needs: at once, or when the step
+        still computing on them (or swapping them in) has reported (rule 2 in blocks.py)."""
+        busy_step = max(req.scheduled_step, req.swap_in_step)
+        if busy_step > self.done_through:
+            self.hbm.defer(ids, busy_step)
+        else:
+            self.hbm.free(ids)
+
     def release_all(self, req: Request) -> None:
         """Drop every copy of `req`'s KV (finish, abort, recompute)."""
-        self.hbm.free(req.hbm_blocks)
+        self.free_hbm(req, req.hbm_blocks)
         self.dram.free(req.dram_blocks)
         req.hbm_blocks = []
         req.dram_blocks = []
@@ -68,7 +78,7 @@ class Memory:
         step.swap_out += zip(src, dst)
         step.moves_left -= len(src)
         self.num_swapped_out += len(src)
-        self.hbm.free(req.hbm_blocks[:num_mirrored])
+        self.free_hbm(req, req.hbm_blocks[:num_mirrored])
         self.hbm.defer(src, step.step_id)
         req.dram_blocks += dst
         req.hbm_blocks = []
@@ -139,6 +149,7 @@ class Memory:
             req.dram_blocks += dst
 
     def step_done(self, step_id: int) -> None:
-        """The result of `step_id` is in: its copies are finished."""
+        """The result of `step_id` is in: its copies and compute are finished."""
+        self.done_through = max(self.done_through, step_id)
         self.hbm.release_through(step_id)
         self.dram.release_through(step_id)
