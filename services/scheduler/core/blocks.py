@@ -23,12 +23,13 @@ cross-iteration pipeline it starts plan t+1's copies while plan t still runs. So
    block whose swap-out is still in flight, neither in the same step nor in a plan
    built while that step runs. (The worker reports a step only once its copies are done.)
 2. A block whose content is no longer needed (a finished, aborted or recompute-preempted
-   request, or a synced HBM block that already has a DRAM mirror) is freed at once, or,
-   when a step still in flight computes on it or swaps it in, once that step has
-   reported (`Memory.free_hbm`). So a plan's swap-ins never target a block the step
-   computing before it touches, and the worker can start them during that step. This is
-   what eager rotation buys: a preempted request's mirrored blocks are reusable at once
-   (or one step later) and only its dirty last block is copied.
+   request, or a synced HBM block that already has a DRAM mirror) is free at once. If a
+   step still in flight computes on it or swaps it in, it is "recent" until that step
+   has reported (`Memory.free_hbm`): compute may take it at once (steps compute in
+   order), but a swap-in takes it only when no other block is free, so the worker can
+   almost always start a plan's swap-ins while the step before it computes. This is what
+   eager rotation buys: a preempted request's mirrored blocks are reusable at once and
+   only its dirty last block is copied.
 3. Plans are applied in order. What remains for the worker: a plan's swap-outs and
    eager copies may read blocks that the step before it is still writing (so they start
    only once that step's compute is done), and a DRAM block freed under rule 2 may be
@@ -48,45 +49,83 @@ class BlockPool:
         self.name = name
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._recent: list[tuple[int, list[int]]] = []  # free, but an in-flight step touches them
+        self.num_recent = 0
         self._deferred: list[tuple[int, list[int]]] = []  # (step id, blocks), step ids ascending
         self.num_deferred = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_recent
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"{self.name}: {n} blocks asked, {len(self._free)} free")
-        if n == 0:
+    def allocate(self, n: int, for_copy: bool = False) -> list[int]:
+        """`n` free blocks; recent ones (rule 2) first for compute, last for a copy target."""
+        if n > self.num_free:
+            raise RuntimeError(f"{self.name}: {n} blocks asked, {self.num_free} free")
+        out: list[int] = []
+        if for_copy:
+            out += self._take_free(min(n, len(self._free)))
+            out += self._take_recent(n - len(out))
+        else:
+            out += self._take_recent(min(n, self.num_recent))
+            out += self._take_free(n - len(out))
+        return out
+
+    def _take_free(self, n: int) -> list[int]:
+        if n <= 0:
             return []
         out = self._free[-n:]
         del self._free[-n:]
         out.reverse()
         return out
 
-    def free(self, ids: list[int]) -> None:
-        self._free.extend(reversed(ids))
+    def _take_recent(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            step_id, ids = self._recent[-1]
+            k = min(n - len(out), len(ids))
+            out += ids[len(ids) - k :]
+            del ids[len(ids) - k :]
+            if not ids:
+                self._recent.pop()
+        self.num_recent -= len(out)
+        return out
+
+    def free(self, ids: list[int], busy_step: int | None = None) -> None:
+        """Return blocks; `busy_step`: a step still in flight touches them (rule 2)."""
+        if busy_step is None:
+            self._free.extend(reversed(ids))
+        elif ids:
+            _insert(self._recent, busy_step, ids)
+            self.num_recent += len(ids)
 
     def defer(self, ids: list[int], step_id: int) -> None:
-        """Free once the result of step `step_id` is in (rules 1 and 2 above)."""
-        if not ids:
-            return
-        i = bisect.bisect_right(self._deferred, step_id, key=lambda e: e[0])
-        if i and self._deferred[i - 1][0] == step_id:
-            self._deferred[i - 1][1].extend(ids)
-        else:
-            self._deferred.insert(i, (step_id, list(ids)))
-        self.num_deferred += len(ids)
+        """Free once the result of step `step_id` is in (rule 1 above)."""
+        if ids:
+            _insert(self._deferred, step_id, ids)
+            self.num_deferred += len(ids)
 
     def release_through(self, step_id: int) -> None:
         while self._deferred and self._deferred[0][0] <= step_id:
             _, ids = self._deferred.pop(0)
             self._free.extend(ids)
             self.num_deferred -= len(ids)
+        while self._recent and self._recent[0][0] <= step_id:
+            _, ids = self._recent.pop(0)
+            self._free.extend(ids)
+            self.num_recent -= len(ids)
 
     def free_ids(self) -> list[int]:
-        return self._free + [b for _, ids in self._deferred for b in ids]
+        return self._free + [b for lst in (self._recent, self._deferred) for _, ids in lst for b in ids]
+
+
+def _insert(lists: list[tuple[int, list[int]]], step_id: int, ids: list[int]) -> None:
+    """Add `ids` under `step_id`, keeping step ids ascending."""
+    i = bisect.bisect_right(lists, step_id, key=lambda e: e[0])
+    if i and lists[i - 1][0] == step_id:
+        lists[i - 1][1].extend(ids)
+    else:
+        lists.insert(i, (step_id, list(ids)))

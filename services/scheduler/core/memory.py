@@ -39,13 +39,10 @@ class Memory:
     # ------------------------------------------------------------ release
 
     def free_hbm(self, req: Request, ids: list[int]) -> None:
-        """Free HBM blocks whose content `req` no longer needs: at once, or when the step
-        still computing on them (or swapping them in) has reported (rule 2 in blocks.py)."""
+        """Free HBM blocks whose content `req` no longer needs; "recent" while a step in
+        flight still computes on them or swaps them in (rule 2 in blocks.py)."""
         busy_step = max(req.scheduled_step, req.swap_in_step)
-        if busy_step > self.done_through:
-            self.hbm.defer(ids, busy_step)
-        else:
-            self.hbm.free(ids)
+        self.hbm.free(ids, busy_step if busy_step > self.done_through else None)
 
     def release_all(self, req: Request) -> None:
         """Drop every copy of `req`'s KV (finish, abort, recompute)."""
@@ -110,7 +107,7 @@ class Memory:
         """Bring a ROTARY request's KV back to HBM. Synced DRAM blocks stay as mirrors when
         eager rotation is on; the others are freed once the plan is done (it reads them)."""
         src = req.dram_blocks
-        dst = self.hbm.allocate(len(src))
+        dst = self.hbm.allocate(len(src), for_copy=True)
         step.swap_in += zip(src, dst)
         step.moves_left -= len(src)
         self.num_swapped_in += len(src)
