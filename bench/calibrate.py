@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from bench.costmodel import GB, MODELS, PROFILE_DIR, StepWork
 from services.worker.kv_pool import DEFAULT_CPU_MEMORY_FRACTION, KVPools, KVSpec, available_ram_bytes
 from services.worker.runner import ModelRunner, allocate_kv_pool, load_model
 from services.worker.transfer import MODES, TransferEngine
+from shared import config
 from shared.modelfile import resolve_model_path
 from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
 
@@ -104,17 +106,19 @@ def _timed(runner: ModelRunner, step: list[ScheduledRequest]) -> float:
 
 
 def measure_steps(runner: ModelRunner, reps: int) -> list[tuple[StepWork, float]]:
-    """(work, seconds) samples; each prefill length `reps` times, each decode shape for
-    NUM_DECODE_STEPS steps `reps` times. A warm-up pass runs first, untimed."""
+    """(work, seconds) per distinct step: each prefill length, and each step of each decode
+    shape, measured `reps` times; the median is kept, so a step slowed by another process
+    on a shared machine does not bend the fit. A warm-up pass runs first, untimed."""
     shapes = Shapes(runner)
     shapes.prefill(64)
     shapes.decodes(4, 32, 2)
-    samples = []
+    runs: list[list[tuple[StepWork, float]]] = []
     for _ in range(reps):
-        samples += [shapes.prefill(n) for n in PREFILL_LENS]
+        one = [shapes.prefill(n) for n in PREFILL_LENS]
         for batch, context in DECODE_SHAPES:
-            samples += shapes.decodes(batch, context, NUM_DECODE_STEPS)
-    return samples
+            one += shapes.decodes(batch, context, NUM_DECODE_STEPS)
+        runs.append(one)
+    return [(same[0][0], statistics.median(s for _, s in same)) for same in zip(*runs)]
 
 
 def features(w: StepWork) -> list[float]:
@@ -187,7 +191,9 @@ def measure_sched_ms(num_requests: int = 64, num_steps: int = 200) -> float:
 
     core = SchedulerCore(SchedulerConfig(), 4096, 4096, 8192)
     for i in range(num_requests):
-        core.add_request(p.AddRequest(str(i), [1] * (100 + 7 * i), p.SamplingParams(max_tokens=200, ignore_eos=True)), 0.0)
+        core.add_request(
+            p.AddRequest(str(i), [1] * (100 + 7 * i), p.SamplingParams(max_tokens=200, ignore_eos=True)), 0.0
+        )
     known = {str(i): 100 + 7 * i for i in range(num_requests)}
     times, now = [], 0.0
     for _ in range(num_steps):
@@ -205,11 +211,19 @@ def measure_sched_ms(num_requests: int = 64, num_steps: int = 200) -> float:
 # ---------------------------------------------------------------- command
 
 
+def dump(profile: dict) -> str:
+    """Indented JSON with each innermost list on one line (the curve stays readable)."""
+    text = json.dumps(profile, indent=2)
+    return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text) + "\n"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice, as the worker)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every shape (default %(default)s)")
-    p.add_argument("--dram-gb", type=float, default=2.0, help="DRAM pool of the live service, GiB (default %(default)s)")
+    p.add_argument(
+        "--dram-gb", type=float, default=2.0, help="DRAM pool of the live service, GiB (default %(default)s)"
+    )
     p.add_argument("--out", type=Path, default=PROFILE_DIR / "cpu.json", help="profile to write (default %(default)s)")
 
 
@@ -221,15 +235,17 @@ def run(args: argparse.Namespace) -> int:
     if (cfg.num_layers, cfg.hidden_size) != (MODELS["smollm2"].num_layers, MODELS["smollm2"].hidden_size):
         raise SystemExit("calibrate prices the bundled SmolLM2 (the `smollm2` model shape)")
     num_blocks = max(b * -(-(c + NUM_DECODE_STEPS) // BLOCK_SIZE) for b, c in DECODE_SHAPES)
-    runner = ModelRunner(model, cfg, allocate_kv_pool(cfg, num_blocks, BLOCK_SIZE, torch.float32, "cpu"), BLOCK_SIZE, "cpu")
+    runner = ModelRunner(
+        model, cfg, allocate_kv_pool(cfg, num_blocks, BLOCK_SIZE, torch.float32, "cpu"), BLOCK_SIZE, "cpu"
+    )
     samples = measure_steps(runner, args.reps)
     coef, r2 = fit_linear(samples)
     spec = KVSpec.from_model(cfg, BLOCK_SIZE, torch.float32)
     link = link_profile(spec, measure_link(spec, args.reps))
     profile = {
         "name": "cpu",
-        "notes": f"calibrated by `superinfer bench calibrate` on this machine ({torch.get_num_threads()} torch threads), "
-        f"{len(samples)} steps, fit R^2 {r2:.3f}; the live CPU worker runs copies and compute in series",
+        "notes": f"calibrated by `superinfer bench calibrate` on this machine (torch threads: {torch.get_num_threads()}), "
+        f"{len(samples)} distinct steps (median of {args.reps}), fit R^2 {r2:.3f}; the live CPU worker starts a step's copies after the previous step",
         "linear": {
             "model": "smollm2",
             "overhead_s": coef[0],
@@ -245,15 +261,21 @@ def run(args: argparse.Namespace) -> int:
         "kv_dram_gb": round(args.dram_gb * (1 << 30) / GB, 3),
         "threads": torch.get_num_threads(),
         "link": link,
-        "defaults": {"max_batched_tokens": 512, "max_num_seqs": 64, "xfer_budget": 2400},
+        "defaults": {
+            "max_batched_tokens": config.DEFAULT_MAX_BATCHED_TOKENS,
+            "max_num_seqs": config.DEFAULT_MAX_NUM_SEQS,
+            "xfer_budget": 2400,
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(profile, indent=2) + "\n")
+    args.out.write_text(dump(profile))
     lin = profile["linear"]
     print(
         f"step = {lin['overhead_s'] * 1e3:.2f} ms + {lin['prefill_token_s'] * 1e6:.1f} us/prefill token + "
         f"{lin['decode_token_s'] * 1e6:.1f} us/decode token + {lin['kv_token_s'] * 1e6:.3f} us/KV token read (R^2 {r2:.3f})"
     )
-    print(f"link: {link['curve']} GB/s per direction, duplex {link['dram_gbs']} GB/s; sched {profile['sched_ms']} ms/step")
+    print(
+        f"link: {link['curve']} GB/s per direction, duplex {link['dram_gbs']} GB/s; sched {profile['sched_ms']} ms/step"
+    )
     print(f"wrote {args.out} in {time.perf_counter() - t_start:.0f} s")
     return 0

@@ -180,7 +180,11 @@ def hardware_from_dict(d: dict) -> Hardware:
         hbm_bw=float(d.get("hbm_gbs", 0.0)) * GB,
         hbm_bytes=float(d.get("hbm_gb", 0.0)) * GB,
         host_bytes=float(d.get("host_gb", 0.0)) * GB,
-        link=Link(tuple((float(s), float(r)) for s, r in link["curve"]), float(link["dram_gbs"]), float(link.get("duplex_efficiency", 1.0))),
+        link=Link(
+            tuple((float(s), float(r)) for s, r in link["curve"]),
+            float(link["dram_gbs"]),
+            float(link.get("duplex_efficiency", 1.0)),
+        ),
         compute_efficiency=float(d.get("compute_efficiency", 0.6)),
         hbm_efficiency=float(d.get("hbm_efficiency", 0.8)),
         step_overhead_s=float(d.get("step_overhead_ms", 3.0)) / 1e3,

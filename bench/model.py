@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = read_model_config(path)
     weights = load_weights(path, cfg)
     device = torch.device(args.device)
-    ours = LlamaModel(cfg, weights).to(device).eval()
+    ours = LlamaModel(cfg, weights, device=device).eval()
     theirs = transformers_model(cfg, weights).to(device)
     gen = torch.Generator().manual_seed(0)
     timer = Timer(device, time.process_time if args.clock == "cpu" else time.perf_counter)

@@ -8,15 +8,24 @@ output length, so it finishes ("length") exactly there. Per request we record TT
 every gap between tokens, then `bench.report.summarize` computes the same metrics as
 `bench serve` does against a live server.
 
-Time of a step (`Clock.step`). With `pipeline` (GPU profiles, the paper's design) the plan
-of step t+1 is built and its copies start while step t computes: copies queue on the link
-behind earlier ones, compute of t+1 starts when t's compute is done, its plan is ready
-(scheduling overlaps compute; a step stalls only if scheduling takes longer) and its
-swap-ins are in (it reads them); swap-outs only occupy the link. Without `pipeline` (the
-`cpu` profile, as the live CPU worker runs today) scheduling, copies and compute run in
-series. The scheduling time is modelled (the profile's `sched_ms`, or `--sched-time MS`);
-`--sched-time measured` uses the wall time of the real `schedule()` call instead (then runs
-are no longer bit-for-bit repeatable).
+Pipelining, as the live scheduler does it (`--pipeline-depth 2`, its default): plan t+1
+is built when step t starts computing, before t's result is back (the core plans one
+pending sample per decoding request), and t's result is applied when t ends. Scheduling
+thus overlaps compute; a step stalls only if scheduling takes longer. Where copies go
+(`Clock.step`): with a profile's `pipeline` (GPU profiles, the paper's design) step t+1's
+copies start as soon as its plan exists, overlapping step t's compute, and queue on the
+link behind earlier copies; compute waits only for the swap-ins it reads. (The live worker
+holds back the swap-outs and eager mirrors that read blocks step t still writes until t's
+compute is done; the model does not, and with eager rotation those are mostly the one
+dirty block of each preempted request.) Without it (the
+`cpu` profile, as the live worker executes plans one after the other) a step's copies
+start after the previous step is done, both directions at once, compute waits for the
+swap-ins, and the step ends when compute and the out-direction copies are both done.
+`--pipeline-depth 1` plans each step after the previous result instead.
+
+The scheduling time is modelled (the profile's `sched_ms`, or `--sched-time MS`);
+`--sched-time measured` uses the wall time of the real `schedule()` call instead (runs are
+then no longer bit-for-bit repeatable).
 """
 
 from __future__ import annotations
@@ -60,27 +69,29 @@ KNOBS = ("transfer_mode", "xfer_budget", "alpha", "beta_f", "beta_b")
 
 @dataclass
 class Clock:
-    """Virtual time of the worker: when the previous step's compute ran, when the link frees."""
+    """When the link is free again; how one step's copies and compute fall in time."""
 
-    pipeline: bool
-    compute_start: float = 0.0
-    compute_end: float = 0.0
+    overlap_copies: bool  # copies of a step may run during the previous step's compute
     link_free: float = 0.0
-    busy: bool = False  # a step ended at the current `now` (the pipeline is full)
 
-    def step(self, now: float, sched_s: float, compute_s: float, in_s: float, xfer_s: float, reads_in: bool) -> float:
-        """End time of a step planned at `now`; see the module docstring."""
-        issue = self.compute_start if self.pipeline and self.busy else now
-        ready = issue + sched_s
-        link_start = max(ready, self.link_free)
+    def step(
+        self,
+        plan_at: float,
+        prev_end: float,
+        sched_s: float,
+        compute_s: float,
+        in_s: float,
+        xfer_s: float,
+        reads_in: bool,
+    ) -> tuple[float, float]:
+        """(compute start, step end) of a step planned at `plan_at` after a step ending at
+        `prev_end` (`plan_at` itself when the worker is idle)."""
+        ready = plan_at + sched_s
+        link_start = max(ready, self.link_free if self.overlap_copies else max(self.link_free, prev_end))
         self.link_free = link_start + xfer_s
-        if self.pipeline:
-            start = max(now, ready, link_start + in_s if reads_in else ready)
-        else:
-            start = max(now, self.link_free)
-        self.compute_start, self.compute_end = start, start + compute_s
-        self.busy = True
-        return self.compute_end
+        start = max(prev_end, ready, link_start + in_s if reads_in else ready)
+        end = start + compute_s
+        return start, end if self.overlap_copies else max(end, self.link_free)
 
 
 # ---------------------------------------------------------------- one run
@@ -98,6 +109,7 @@ class SimSetup:
     num_dram_blocks: int = 0
     sched_time: str = "model"  # "model" | "measured" | milliseconds
     check_invariants: bool = False
+    pipeline_depth: int = 2  # plans at the worker at once, as the live scheduler keeps
 
 
 @dataclass
@@ -121,18 +133,33 @@ def requests_of(items: list[WorkItem]) -> list[AddRequest]:
     ]
 
 
+@dataclass
+class InFlight:
+    step_id: int
+    sampled: list[str]  # request ids that sample in this step
+    end: float
+
+
 def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
     cfg, hw, model = setup.cfg, setup.hardware, setup.model
     max_model_len = min(model.max_position, setup.num_hbm_blocks * cfg.block_size)
     core = SchedulerCore(cfg, setup.num_hbm_blocks, setup.num_dram_blocks, max_model_len)
     order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     requests = requests_of(items)
-    known = [it.prompt_tokens for it in items]  # prompt + emitted tokens
+    num_samples = [0] * len(items)  # samples planned so far (emitted + in flight)
     times: list[list[float]] = [[] for _ in items]
     clock = Clock(hw.pipeline)
     run = SimRun([], 0.0, {})
     fixed_sched = None if setup.sched_time == "measured" else _sched_s(setup.sched_time, hw)
+    flight: InFlight | None = None
     now, nxt = 0.0, 0
+
+    def finish(f: InFlight) -> None:
+        for out in core.update(StepResult(f.step_id, f.sampled, [TOKEN] * len(f.sampled)), f.end):
+            times[int(out.request_id)].append(f.end)
+        if setup.check_invariants:
+            core.check_invariants()
+
     while True:
         while nxt < len(order) and items[order[nxt]].arrival_s <= now:
             i = order[nxt]
@@ -145,38 +172,61 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         if setup.check_invariants:
             core.check_invariants()
         if plan is None:
-            if nxt < len(order):
+            if flight is not None:  # nothing to plan until the step in flight reports
+                finish(flight)
+                now, flight = max(now, flight.end), None
+            elif nxt < len(order):
                 now = max(now, items[order[nxt]].arrival_s)
-                clock.busy = False
-                continue
-            if core.has_unfinished():
+            elif core.has_unfinished():
                 raise RuntimeError(f"simulation stuck at {now:.3f} s: {core.stats()}")
-            break
-        work, ids = StepWork(), []
-        for s in plan.scheduled:
-            i = int(s.request_id)
-            samples = s.num_computed_tokens + s.num_new_tokens == known[i]
-            work.add(s.num_computed_tokens, s.num_new_tokens, samples)
-            if samples:
-                ids.append(s.request_id)
+            else:
+                break
+            continue
+        work, sampled = plan_work(plan, items, num_samples)
         compute_s = compute_time(hw, model, work)
-        x = transfer_time(hw, model, setup.transfer_mode, len(plan.swap_in), len(plan.swap_out) + len(plan.eager), cfg.block_size)
-        end = clock.step(now, wall if fixed_sched is None else fixed_sched, compute_s, x.in_s, x.total_s, bool(plan.swap_in))
-        run.stall_s += clock.compute_start - now
-        run.step_ms.append((end - now) * 1e3)
+        x = transfer_time(
+            hw, model, setup.transfer_mode, len(plan.swap_in), len(plan.swap_out) + len(plan.eager), cfg.block_size
+        )
+        prev_end = flight.end if flight is not None else now
+        start, end = clock.step(
+            now,
+            prev_end,
+            wall if fixed_sched is None else fixed_sched,
+            compute_s,
+            x.in_s,
+            x.total_s,
+            bool(plan.swap_in),
+        )
+        run.stall_s += start - prev_end if flight is not None else 0.0
+        run.step_ms.append((end - prev_end) * 1e3)
         run.compute_ms.append(compute_s * 1e3)
         run.xfer_ms.append(x.total_s * 1e3)
-        for out in core.update(StepResult(plan.step_id, ids, [TOKEN] * len(ids)), end):
-            i = int(out.request_id)
-            known[i] += len(out.token_ids)
-            times[i].append(end)
-        if setup.check_invariants:
-            core.check_invariants()
-        now = end
+        if flight is not None:
+            finish(flight)
+        flight = InFlight(plan.step_id, sampled, end)
+        if setup.pipeline_depth == 1:
+            finish(flight)
+            now, flight = end, None
+        else:
+            now = start  # the next plan is built while this step computes
     run.records = [_record(it, ts) for it, ts in zip(items, times)]
     run.duration_s = max((ts[-1] for ts in times if ts), default=0.0) - min((it.arrival_s for it in items), default=0.0)
     run.stats = core.stats()
     return run
+
+
+def plan_work(plan, items: list[WorkItem], num_samples: list[int]) -> tuple[StepWork, list[str]]:
+    """What the plan computes, and which requests sample: those whose scheduled tokens
+    reach the end of their known tokens (prompt + every sample planned before)."""
+    work, sampled = StepWork(), []
+    for s in plan.scheduled:
+        i = int(s.request_id)
+        samples = s.num_computed_tokens + s.num_new_tokens == items[i].prompt_tokens + num_samples[i]
+        work.add(s.num_computed_tokens, s.num_new_tokens, samples)
+        if samples:
+            num_samples[i] += 1
+            sampled.append(s.request_id)
+    return work, sampled
 
 
 def _sched_s(sched_time: str, hw: Hardware) -> float:
@@ -263,22 +313,49 @@ class Job:
     setup: SimSetup
 
 
-def sweep(items: list[WorkItem], jobs: list[Job], ttft_slo: float, tbt_slo: float, burstiness: float = 1.0, seed: int = 0, num_procs: int = 1) -> list[dict]:
-    """One row per job; the same requests at every rate, with that rate's arrivals."""
+def sweep(
+    items: list[WorkItem],
+    jobs: list[Job],
+    ttft_slo: float,
+    tbt_slo: float,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    num_procs: int = 1,
+    redraw: bool = True,
+) -> list[dict]:
+    """One row per job; the same requests at every rate, with that rate's arrivals (a trace
+    that brings its own arrivals keeps them: pass `redraw=False`)."""
     bare = [replace(it, prompt="") for it in items]  # the text is not simulated; keep pickles small
-    args = [(with_arrivals(bare, arrival_times(len(bare), j.rate, burstiness, seed)), j.setup, j.rate, ttft_slo, tbt_slo) for j in jobs]
+    timed = lambda rate: with_arrivals(bare, arrival_times(len(bare), rate, burstiness, seed)) if redraw else bare  # noqa: E731
+    args = [(timed(j.rate), j.setup, j.rate, ttft_slo, tbt_slo) for j in jobs]
     if num_procs <= 1 or len(jobs) == 1:
         return [run_one(*a) for a in args]
     with ProcessPoolExecutor(num_procs) as pool:
         return list(pool.map(run_one, *zip(*args)))
 
 
-def make_setup(hw: Hardware, model: ModelShape, cfg: SchedulerConfig, mode: str, hbm: int | None = None, dram: int | None = None, sched_time: str = "model", check: bool = False) -> SimSetup:
+def make_setup(
+    hw: Hardware,
+    model: ModelShape,
+    cfg: SchedulerConfig,
+    mode: str,
+    hbm: int | None = None,
+    dram: int | None = None,
+    sched_time: str = "model",
+    check: bool = False,
+    depth: int = 2,
+) -> SimSetup:
     num_hbm, num_dram = num_kv_blocks(hw, model, cfg.block_size)
-    return SimSetup(cfg, hw, model, mode, hbm or num_hbm, num_dram if dram is None else dram, sched_time, check)
+    return SimSetup(cfg, hw, model, mode, hbm or num_hbm, num_dram if dram is None else dram, sched_time, check, depth)
 
 
-def load_items(dataset: str, num_requests: int, seed: int = 0, tokenizer_path: str | None = None, synthetic: SyntheticSpec | None = None) -> list[WorkItem]:
+def load_items(
+    dataset: str,
+    num_requests: int,
+    seed: int = 0,
+    tokenizer_path: str | None = None,
+    synthetic: SyntheticSpec | None = None,
+) -> list[WorkItem]:
     """Requests with token counts from our tokenizer; arrivals are drawn per rate later."""
     from services.gateway.tokenizer import load_tokenizer
     from shared.modelfile import resolve_model_path
@@ -304,7 +381,9 @@ def _strs(s: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-32b")
-    p.add_argument("--hardware", default="gh200", help="profile name in bench/profiles (gh200, h200-pcie, cpu) or a JSON path")
+    p.add_argument(
+        "--hardware", default="gh200", help="profile name in bench/profiles (gh200, h200-pcie, cpu) or a JSON path"
+    )
     p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic, or a JSONL trace path")
     p.add_argument("--num-requests", type=int, default=1000, help="requests per run (default %(default)s)")
     p.add_argument("--duration-s", type=float, default=None, help="instead of --num-requests: rate × this many")
@@ -324,6 +403,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hbm-blocks", type=int, default=None, help="override the HBM pool size")
     p.add_argument("--dram-blocks", type=int, default=None, help="override the DRAM pool size")
     p.add_argument("--sched-time", default="model", help="model (the profile's), measured (wall time), or milliseconds")
+    p.add_argument(
+        "--pipeline-depth",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="plans in flight (the live scheduler's default is 2)",
+    )
     p.add_argument("--check-invariants", action="store_true", help="check the core's invariants every step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1, help="processes (at most the CPU count)")
@@ -338,7 +424,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) -> list[Job]:
     d = hw.defaults
     jobs = []
-    knobs = itertools.product(args.policies, args.transfer_mode, args.xfer_budget or [d.get("xfer_budget", 2400)], args.alpha, args.beta_f, args.beta_b, args.rates)
+    knobs = itertools.product(
+        args.policies,
+        args.transfer_mode,
+        args.xfer_budget or [d.get("xfer_budget", 2400)],
+        args.alpha,
+        args.beta_f,
+        args.beta_b,
+        args.rates,
+    )
     for policy, mode, budget, alpha, beta_f, beta_b, rate in knobs:
         cfg = SchedulerConfig(
             policy=policy,
@@ -352,7 +446,22 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
             tbt_slo=args.tbt_slo,
             xfer_budget=budget,
         )
-        jobs.append(Job(rate, make_setup(hw, model, cfg, mode, args.hbm_blocks, args.dram_blocks, args.sched_time, args.check_invariants)))
+        jobs.append(
+            Job(
+                rate,
+                make_setup(
+                    hw,
+                    model,
+                    cfg,
+                    mode,
+                    args.hbm_blocks,
+                    args.dram_blocks,
+                    args.sched_time,
+                    args.check_invariants,
+                    args.pipeline_depth,
+                ),
+            )
+        )
     return jobs
 
 
@@ -362,22 +471,41 @@ def run(args: argparse.Namespace) -> int:
     num = args.num_requests if args.duration_s is None else math.ceil(max(args.rates) * args.duration_s)
     items = load_items(args.dataset, num, args.seed, args.tokenizer, SyntheticSpec(args.input_len, args.output_len))
     jobs = jobs_from_args(args, hw, model)
+    timed = args.dataset not in ("sharegpt", "synthetic") and trace_has_arrivals(Path(args.dataset))
     t0 = time.perf_counter()
     rows = []
     for rate in args.rates:  # with --duration-s, each rate sends rate × duration requests
         mine = [j for j in jobs if j.rate == rate]
         n = num if args.duration_s is None else math.ceil(rate * args.duration_s)
-        rows += sweep(items[:n], mine, args.ttft_slo, args.tbt_slo, args.burstiness, args.seed, args.jobs)
+        rows += sweep(items[:n], mine, args.ttft_slo, args.tbt_slo, args.burstiness, args.seed, args.jobs, not timed)
     print(format_rows(rows))
     print(f"{len(rows)} runs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    write_outputs(rows, args.json, args.csv, {"args": {k: str(v) for k, v in vars(args).items()}, "setup": describe(jobs[0].setup)})
+    write_outputs(
+        rows,
+        args.json,
+        args.csv,
+        {"args": {k: str(v) for k, v in vars(args).items()}, "setup": describe(jobs[0].setup)},
+    )
     if args.plots:
         plot_attainment(rows, args.plots, f"{model.name} on {hw.name}")
     return 0
 
 
+def trace_has_arrivals(path: Path) -> bool:
+    """Whether a JSONL trace brings its own arrival times (then they are kept)."""
+    with open(path) as f:
+        first = next((line for line in f if line.strip()), "{}")
+    return "arrival_s" in json.loads(first)
+
+
 def describe(setup: SimSetup) -> dict:
-    return {"hardware": setup.hardware.name, "model": setup.model.name, "num_hbm_blocks": setup.num_hbm_blocks, "num_dram_blocks": setup.num_dram_blocks, "scheduler": asdict(setup.cfg)}
+    return {
+        "hardware": setup.hardware.name,
+        "model": setup.model.name,
+        "num_hbm_blocks": setup.num_hbm_blocks,
+        "num_dram_blocks": setup.num_dram_blocks,
+        "scheduler": asdict(setup.cfg),
+    }
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -420,7 +548,12 @@ def plot_attainment(rows: list[dict], out_dir: Path, title: str, name: str = "at
         for name_, rs in series.items():
             rs = sorted(rs, key=lambda r: r["rate"])
             ax.plot([r["rate"] for r in rs], [100 * (r[key] or 0) for r in rs], marker="o", label=name_)
-        ax.set(xlabel="request rate (req/s)", ylabel=f"{label} SLO attainment (%)", ylim=(0, 102), title=f"{label} — {title}")
+        ax.set(
+            xlabel="request rate (req/s)",
+            ylabel=f"{label} SLO attainment (%)",
+            ylim=(0, 102),
+            title=f"{label} — {title}",
+        )
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     path = out_dir / f"{name}.png"
