@@ -128,7 +128,8 @@ def _hf_config(path: Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads", heads),
         head_dim=c.get("head_dim") or hidden // heads,
-        rope_theta=float(c.get("rope_theta", 10000.0)),
+        # transformers 5 writes rope_theta inside rope_parameters
+        rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         max_position=c.get("max_position_embeddings", 2048),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),

@@ -45,7 +45,7 @@ def test_bundled_gguf_loads_complete_in_hf_layout(weights, cfg):
     assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())
 
 
-def _tiny_checkpoint(tmp_path, arch: str):
+def tiny_checkpoint(tmp_path, arch: str):
     """A small random transformers model saved as an HF directory (config.json + safetensors)."""
     import transformers
 
@@ -84,7 +84,7 @@ def test_hf_directory_model_matches_transformers(tmp_path, monkeypatch, arch, pa
         pytest.skip("this torch build has no oneDNN linear")
     if not packed:
         monkeypatch.setattr(model_module, "_onednn_pack", lambda weight: None)
-    theirs_model = _tiny_checkpoint(tmp_path, arch)
+    theirs_model = tiny_checkpoint(tmp_path, arch)
     ours_model, cfg = load_model(tmp_path, "cpu")
     assert (ours_model.layers[0].qkv.packed is not None) == packed
     assert cfg.attention_bias == (arch == "qwen2")
@@ -107,7 +107,7 @@ def test_hf_directory_model_matches_transformers(tmp_path, monkeypatch, arch, pa
 def test_missing_tensor_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    _tiny_checkpoint(tmp_path, "llama")
+    tiny_checkpoint(tmp_path, "llama")
     path = tmp_path / "model.safetensors"
     tensors = load_file(str(path))
     del tensors["model.layers.1.mlp.up_proj.weight"]
@@ -118,7 +118,7 @@ def test_missing_tensor_is_named(tmp_path):
 
 def test_bfloat16_model_stays_close_to_float32(tmp_path):
     """dtype is a load-time choice; rope angles stay float32 whatever the weights are."""
-    _tiny_checkpoint(tmp_path, "qwen2")
+    tiny_checkpoint(tmp_path, "qwen2")
     ref, cfg = load_model(tmp_path, "cpu")
     half, _ = load_model(tmp_path, "cpu", dtype=torch.bfloat16)
     n = 40
