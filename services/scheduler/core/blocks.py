@@ -26,8 +26,9 @@ cross-iteration pipeline it starts plan t+1's copies while plan t still runs. So
    request, or a synced HBM block that already has a DRAM mirror) is free at once. If a
    step still in flight computes on it or swaps it in, it is "recent" until that step
    has reported (`Memory.free_hbm`): compute may take it at once (steps compute in
-   order), but a swap-in takes it only when no other block is free, so the worker can
-   almost always start a plan's swap-ins while the step before it computes. This is what
+   order), but a swap-in never targets it (`Memory.can_swap_in`: the request comes back
+   a step later instead), so the worker can always start a plan's swap-ins while the
+   step before it computes. This is what
    eager rotation buys: a preempted request's mirrored blocks are reusable at once and
    only its dirty last block is copied.
 3. Plans are applied in order. What remains for the worker: a plan's swap-outs and
@@ -58,21 +59,26 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free) + self.num_recent
 
+    @property
+    def num_clean(self) -> int:
+        """Free blocks no step in flight touches: the ones a swap-in may target."""
+        return len(self._free)
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
-    def allocate(self, n: int, for_copy: bool = False) -> list[int]:
-        """`n` free blocks; recent ones (rule 2) first for compute, last for a copy target."""
+    def allocate(self, n: int) -> list[int]:
+        """`n` free blocks, recent ones (rule 2) first: they suit compute, not copies."""
         if n > self.num_free:
             raise RuntimeError(f"{self.name}: {n} blocks asked, {self.num_free} free")
-        out: list[int] = []
-        if for_copy:
-            out += self._take_free(min(n, len(self._free)))
-            out += self._take_recent(n - len(out))
-        else:
-            out += self._take_recent(min(n, self.num_recent))
-            out += self._take_free(n - len(out))
-        return out
+        recent = self._take_recent(min(n, self.num_recent))
+        return recent + self._take_free(n - len(recent))
+
+    def allocate_clean(self, n: int) -> list[int]:
+        """`n` free blocks that no step in flight touches (copy targets)."""
+        if n > len(self._free):
+            raise RuntimeError(f"{self.name}: {n} clean blocks asked, {len(self._free)} free")
+        return self._take_free(n)
 
     def _take_free(self, n: int) -> list[int]:
         if n <= 0:

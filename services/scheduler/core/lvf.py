@@ -74,13 +74,18 @@ def admit_lagging(
             return  # its swap-in does not fit in this step's copy budget
         if v > 0 and not memory.hbm.can_allocate(need):
             num_decodes -= _displace(core, step, req, need, order)
-        if not _fits(core, need):
+        if not _fits(core, req, need, num_new, step):
             return
         core.admit(req, step, num_new)
 
 
-def _fits(core: SchedulerCore, need: int) -> bool:
-    return core.memory.hbm.can_allocate(need) and len(core.running) < core.cfg.max_num_seqs
+def _fits(core: SchedulerCore, req: Request, need: int, num_new: int, step: Step) -> bool:
+    memory = core.memory
+    if len(core.running) >= core.cfg.max_num_seqs:
+        return False
+    if req.status is Status.ROTARY:
+        return memory.can_swap_in(req, num_new, step.moves_left)
+    return memory.hbm.can_allocate(need)
 
 
 def _displace(core: SchedulerCore, step: Step, req: Request, need: int, order: list[Request]) -> int:

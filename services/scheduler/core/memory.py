@@ -99,15 +99,19 @@ class Memory:
     # ------------------------------------------------------------ swap-in
 
     def can_swap_in(self, req: Request, num_new_tokens: int, moves_left: int) -> bool:
-        return len(req.dram_blocks) <= moves_left and self.hbm.can_allocate(
-            self.blocks_needed(req, num_new_tokens)
+        """Room and copy budget for `req`'s swap-in, its copies landing on clean blocks."""
+        num_copy = len(req.dram_blocks)
+        return (
+            num_copy <= moves_left
+            and self.hbm.num_clean >= num_copy
+            and self.hbm.can_allocate(self.blocks_needed(req, num_new_tokens))
         )
 
     def swap_in(self, req: Request, step: Step) -> None:
         """Bring a ROTARY request's KV back to HBM. Synced DRAM blocks stay as mirrors when
         eager rotation is on; the others are freed once the plan is done (it reads them)."""
         src = req.dram_blocks
-        dst = self.hbm.allocate(len(src), for_copy=True)
+        dst = self.hbm.allocate_clean(len(src))
         step.swap_in += zip(src, dst)
         step.moves_left -= len(src)
         self.num_swapped_in += len(src)
