@@ -162,6 +162,7 @@ def _prefill(ours, theirs, cfg, timer: Timer, args, gen) -> dict[str, float]:
     prompt = _random_prompt(cfg, args.prompt_len, gen)
     runner = _runner(ours, cfg, device, num_tokens=args.prompt_len + 1, batch=1)
     ids = torch.tensor([prompt], device=device)
+    mask = torch.ones_like(ids)  # explicit: a random prompt may hold the pad id
     ours_s, theirs_s = [], []
     for rep in range(args.repeats + 1):  # the first repetition warms up
         rid = f"p{rep}"
@@ -170,7 +171,9 @@ def _prefill(ours, theirs, cfg, timer: Timer, args, gen) -> dict[str, float]:
         t_ours = timer.time(lambda: runner.execute(step))
         runner.drop([rid])
         with torch.inference_mode():
-            t_theirs = timer.time(lambda: theirs.generate(ids, max_new_tokens=1, do_sample=False))
+            t_theirs = timer.time(
+                lambda: theirs.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+            )
         if rep:
             ours_s.append(t_ours)
             theirs_s.append(t_theirs)
