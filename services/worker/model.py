@@ -5,9 +5,15 @@ flattened into one sequence of T rows; per-request structure lives only in the
 `AttentionMetadata` that attention reads. Linear layers therefore see one [T, hidden]
 matrix per layer, whatever the mix. q/k/v are one matmul (and one rope call for q and k),
 gate/up another.
+
+Under tensor parallelism (tp.py) each rank builds this model from its shard of the weights and
+a config with its share of the heads and MLP rows; `all_reduce` then sums the partial outputs
+of o_proj and down. With one rank it is None and the layers run no collective.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,10 +82,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+    def __init__(
+        self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, all_reduce: AllReduce | None = None
+    ):
         """`w` holds this layer's HF-named tensors, already on the target device and dtype."""
         super().__init__()
+        self.all_reduce = all_reduce
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -112,11 +124,15 @@ class DecoderLayer(nn.Module):
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(kv_layer, k, v, meta)
         out = paged_attention(q, k, v, kv_layer, meta)  # [T, H, D]
-        return self.o_proj(out.view(num_tokens, -1))
+        return self._reduce(self.o_proj(out.view(num_tokens, -1)))  # [T, hidden]
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(h).chunk(2, dim=-1)  # [T, I] each
-        return self.down(F.silu(gate, inplace=True).mul_(up))  # [T, hidden]
+        return self._reduce(self.down(F.silu(gate, inplace=True).mul_(up)))  # [T, hidden]
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """partial: [T, hidden], this rank's share of the sum; the sum over ranks."""
+        return partial if self.all_reduce is None else self.all_reduce(partial)
 
 
 class LlamaModel(nn.Module):
@@ -129,15 +145,17 @@ class LlamaModel(nn.Module):
         weights: dict[str, torch.Tensor],
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        all_reduce: AllReduce | None = None,
     ):
-        """Built for one device and dtype: the weight layouts depend on them."""
+        """Built for one device and dtype: the weight layouts depend on them. `all_reduce`
+        (tensor parallelism only) sums a layer's partial outputs over the ranks."""
         super().__init__()
         self.cfg = cfg
         device = torch.device(device)
         on = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
         self.embed = _param(on["model.embed_tokens.weight"])  # [V, hidden]
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, on, f"model.layers.{i}.") for i in range(cfg.num_layers)
+            DecoderLayer(cfg, on, f"model.layers.{i}.", all_reduce) for i in range(cfg.num_layers)
         )
         self.norm = _param(on["model.norm.weight"])
         head = on["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]  # [V, hidden]

@@ -4,6 +4,9 @@ It keeps, per request, the tokens known so far (prompt + outputs), the HBM block
 and the sampling state; the scheduler sends only diffs. Each `execute` runs ONE forward
 over all scheduled tokens and samples the requests whose computed tokens reach the end of
 their known tokens. It never decides anything: which tokens, which blocks, is the Plan's.
+
+Under tensor parallelism every rank runs one runner over its shard with the same plans; only
+rank 0 computes logits and samples, and the others take its token ids (tp.py).
 """
 
 from __future__ import annotations
@@ -16,17 +19,26 @@ import torch
 from services.worker.attention import build_metadata
 from services.worker.model import LlamaModel
 from services.worker.sampler import draw_seed, make_generator, request_seed, sample
+from services.worker.tp import TPGroup, shard_config, shard_weights
 from services.worker.weights import load_weights
 from shared.modelfile import ModelConfig, read_model_config
 from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
 
 
 def load_model(
-    path: Path, device: torch.device | str, dtype: torch.dtype = torch.float32
+    path: Path, device: torch.device | str, dtype: torch.dtype = torch.float32, group: TPGroup | None = None
 ) -> tuple[LlamaModel, ModelConfig]:
-    """Our model with the weights at `path` (GGUF file or HF directory), ready for inference."""
+    """Our model with the weights at `path` (GGUF file or HF directory), ready for inference.
+
+    With a tensor-parallel `group`: this rank's shard, and the config of that shard (its
+    heads, KV heads and MLP rows), which is what the runner and the KV pools are sized by."""
     cfg = read_model_config(Path(path))
-    return LlamaModel(cfg, load_weights(Path(path), cfg), device=device, dtype=dtype).eval(), cfg
+    weights = load_weights(Path(path), cfg)
+    if group is None:
+        return LlamaModel(cfg, weights, device=device, dtype=dtype).eval(), cfg
+    cfg = shard_config(cfg, group.num_ranks)
+    weights = shard_weights(weights, group.rank, group.num_ranks)
+    return LlamaModel(cfg, weights, device=device, dtype=dtype, all_reduce=group.all_reduce).eval(), cfg
 
 
 def kv_block_shape(cfg: ModelConfig, block_size: int) -> tuple[int, ...]:
@@ -65,7 +77,15 @@ class ModelRunner:
     swap-in or a recompute restart), and any `new_block_ids` are appended after it.
     """
 
-    def __init__(self, model: LlamaModel, cfg: ModelConfig, kv_pool: torch.Tensor, block_size: int, device):
+    def __init__(
+        self,
+        model: LlamaModel,
+        cfg: ModelConfig,
+        kv_pool: torch.Tensor,
+        block_size: int,
+        device,
+        group: TPGroup | None = None,
+    ):
         want = kv_block_shape(cfg, block_size)
         if tuple(kv_pool.shape[1:]) != want:
             raise ValueError(f"kv_pool blocks are {tuple(kv_pool.shape[1:])}, the model needs {want}")
@@ -77,6 +97,7 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.device = torch.device(device)
+        self.group = group
         self._requests: dict[str, _Request] = {}
 
     # ------------------------------------------------------------ request state
@@ -133,19 +154,26 @@ class ModelRunner:
         reqs = [self._requests[s.request_id] for s in step]
         token_ids, positions, sample_rows, sampled = self._inputs(step, reqs)
         chosen = [reqs[i] for i in sampled]
+        samples_here = self.group is None or self.group.is_driver
         with torch.inference_mode():
-            logits = self._forward(step, reqs, token_ids, positions, sample_rows)  # [S, V]
-            new_tokens = sample(
-                logits,
-                [r.params for r in chosen],
-                [r.generator for r in chosen],
-                [draw_seed(r.seed, len(r.token_ids)) for r in chosen],
-            )
+            logits = self._forward(step, reqs, token_ids, positions, sample_rows if samples_here else [])  # [S, V]
+            new_tokens = self._sample(logits, chosen) if samples_here else None
+        if self.group is not None:
+            new_tokens = self.group.broadcast_tokens(new_tokens, len(chosen))
         for r, t in zip(chosen, new_tokens):
             r.token_ids.append(t)
         by_request = {step[i].request_id: t for i, t in zip(sampled, new_tokens)}
         ids = [s.request_id for s in scheduled if s.request_id in by_request]
         return ids, [by_request[rid] for rid in ids]
+
+    def _sample(self, logits: torch.Tensor, chosen: list[_Request]) -> list[int]:
+        """logits: [S, V], one row per chosen request."""
+        return sample(
+            logits,
+            [r.params for r in chosen],
+            [r.generator for r in chosen],
+            [draw_seed(r.seed, len(r.token_ids)) for r in chosen],
+        )
 
     def _forward(self, step, reqs, token_ids, positions, sample_rows) -> torch.Tensor:
         meta = build_metadata(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import queue
 import signal
 import threading
@@ -19,11 +20,13 @@ import zmq
 import zmq.asyncio
 
 from services.worker.kv_pool import KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
+from services.worker import tp
 from services.worker.runner import ModelRunner, load_model
+from services.worker.tp import TPGroup
 from services.worker.transfer import Transfer, TransferEngine
 from shared import config, protocol as p
 from shared.log import setup_logging
-from shared.modelfile import resolve_model_path
+from shared.modelfile import read_model_config, resolve_model_path
 
 
 class StepExecutor:
@@ -159,42 +162,74 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def run(args: argparse.Namespace) -> int:
-    log = setup_logging("worker", args.log_level)
-    device = resolve_device(args.device)
+def build_worker(
+    args: argparse.Namespace, device: torch.device, group: TPGroup | None = None
+) -> tuple[ModelRunner, TransferEngine, p.WorkerReady]:
+    """Model, both KV pools, transfer engine and runner of one rank (the only one without
+    `group`). Pool sizes are agreed over the group, so a block id means the same everywhere."""
     path = resolve_model_path(args.model)
-    t0 = time.perf_counter()
-    model, cfg = load_model(path, device)
+    model, cfg = load_model(path, device, group=group)
     spec = KVSpec.from_model(cfg, args.block_size, dtype=next(model.parameters()).dtype)
-    pools = KVPools(
-        spec,
-        num_hbm_blocks(spec, device, args.hbm_blocks, args.hbm_fraction),
-        num_dram_blocks(spec, args.dram_gb),
-        device,
-    )
+    num_ranks = 1 if group is None else group.num_ranks
+    # Ranks on one host share its RAM: size a CPU pool by the whole KV (all ranks' heads).
+    sizing = spec if device.type == "cuda" else dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * num_ranks)
+    num_hbm = num_hbm_blocks(sizing, device, args.hbm_blocks, args.hbm_fraction)
+    num_dram = num_dram_blocks(dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * num_ranks), args.dram_gb)
+    if group is not None:
+        num_hbm, num_dram = group.min_int(num_hbm), group.min_int(num_dram)
+    pools = KVPools(spec, num_hbm, num_dram, device)
     engine = TransferEngine(pools, args.transfer_mode)
-    runner = ModelRunner(model, cfg, pools.hbm, args.block_size, device)
-    log.info("model loaded", model=cfg.name, seconds=round(time.perf_counter() - t0, 2))
+    runner = ModelRunner(model, cfg, pools.hbm, args.block_size, device, group)
     ready = p.WorkerReady(
         model_name=cfg.name,
         num_hbm_blocks=pools.num_hbm_blocks,
         num_dram_blocks=pools.num_dram_blocks,
         block_size=args.block_size,
         max_model_len=min(cfg.max_position, pools.num_hbm_blocks * args.block_size),
-        device=str(device),
-        block_bytes=spec.block_bytes,
+        device=str(device) if group is None else f"{device} x{num_ranks}",
+        block_bytes=spec.block_bytes * num_ranks,
     )
-    service = WorkerService(args.connect, ready, StepExecutor(runner, engine), log)
+    return runner, engine, ready
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: setattr(service, "stopping", True))
-        await service.run()
 
+def run(args: argparse.Namespace) -> int:
+    log = setup_logging("worker", args.log_level)
+    device = resolve_device(args.device)
+    num_ranks = getattr(args, "tp", 1)
+    t0 = time.perf_counter()
+    group, ranks = None, []
+    if num_ranks > 1:
+        tp.check_tp(read_model_config(resolve_model_path(args.model)), num_ranks)
+        tp.set_rank_threads(num_ranks)
+        port = tp.free_port()
+        ranks = tp.spawn_ranks(args, num_ranks, port)
+        device = tp.rank_device(device, 0)
+        group = tp.init_group(0, num_ranks, port, device)
     try:
-        asyncio.run(main())
+        runner, engine, ready = build_worker(args, device, group)
+        log.info("model loaded", model=ready.model_name, tp=num_ranks, seconds=round(time.perf_counter() - t0, 2))
+        execute = StepExecutor(runner, engine)
+        if group is not None:
+            execute = tp.DriverExecutor(execute, group, ranks)
+        service = WorkerService(args.connect, ready, execute, log)
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, lambda: setattr(service, "stopping", True))
+            await service.run()
+
+        try:
+            asyncio.run(main())
+        finally:
+            if group is not None:
+                execute.close()
+            engine.close()
     finally:
-        engine.close()
+        if ranks:
+            tp.stop_ranks(ranks)
+    if group is not None and execute.lost:
+        log.error("worker stopped: tensor-parallel ranks exited", ranks=execute.lost)
+        return 1
     log.info("worker stopped")
     return 0
