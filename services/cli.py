@@ -82,6 +82,19 @@ def _scheduler_args(p: argparse.ArgumentParser) -> None:
         help="plans in flight at the worker: 2 builds step t+1 while t computes (default), 1 waits",
     )
     g.add_argument("--step-trace", default=None, metavar="PATH", help="append one JSON line per step to PATH")
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=0,
+        help="requests waiting for their first schedule at most; beyond it new ones get 429 (0 = unbounded)",
+    )
+    g.add_argument(
+        "--step-timeout",
+        type=float,
+        default=2.0,
+        help="a step result later than max(this, 10 x median recent step, 2 x slowest recent step) "
+        "means the worker is lost; its requests resume on the next worker (default %(default)s s)",
+    )
 
 
 def _admin_args(p: argparse.ArgumentParser) -> None:
@@ -132,6 +145,13 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
         default="duplex",
         help="KV transfer engine mode: naive (per-layer copies, serial), merged (per block), "
         "batched (one call per direction), duplex (both directions at once; default)",
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (torch.distributed: gloo on CPU, NCCL with one GPU per rank); "
+        "must divide the model's KV heads (default %(default)s)",
     )
 
 
