@@ -1,13 +1,17 @@
 """`superinfer serve`: the three services as child processes of one supervisor.
 
 The children talk over ipc:// sockets in a private runtime directory. Ctrl-C or SIGTERM
-stops all of them within 5 s; a child that dies is reported and the rest are shut down
-rather than left hanging.
+stops all of them within 5 s. A worker that exits is restarted (the scheduler holds its
+requests and resumes them on the new one), at most MAX_RESTARTS times in RESTART_WINDOW_S;
+a worker the scheduler has declared lost but that still runs (hung) is killed after
+HUNG_KILL_S and restarted the same way. A scheduler or gateway that dies, or a worker that
+keeps dying, is reported and the rest are shut down rather than left hanging.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -15,12 +19,75 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
+from collections import deque
 
 from shared import config
 from shared.log import setup_logging
 
 STOP_TIMEOUT_S = 4.0
+MAX_RESTARTS = 5  # worker restarts ...
+RESTART_WINDOW_S = 60.0  # ... per this window, then give up
+HUNG_KILL_S = 5.0  # a running worker the scheduler has reported not ready this long is killed
+PROBE_INTERVAL_S = 1.0
+RESTARTABLE = ("worker",)
+
+
+class RestartBudget:
+    """At most `limit` restarts in any `window_s`: a crash loop ends in a report, not a spin."""
+
+    def __init__(self, limit: int = MAX_RESTARTS, window_s: float = RESTART_WINDOW_S) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.times: deque[float] = deque()
+
+    def take(self, now: float) -> bool:
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.limit:
+            return False
+        self.times.append(now)
+        return True
+
+
+class HungWatch:
+    """Decides when a running worker is hung: it was ready, then the scheduler reported it
+    not ready (it lost it: a step result overdue) for `HUNG_KILL_S`.
+
+    Readiness is per worker instance, but /health does not say which instance is ready:
+    just after a restart it may still show the old one as ready until the scheduler
+    notices. So a restarted worker counts as ready once /health has gone unready and back,
+    or once it has run longer than twice the first worker's start-up time."""
+
+    def __init__(self, now: float) -> None:
+        self.spawned_at = now
+        self.startup_s: float | None = None  # the first worker's spawn -> ready
+        self.seen_unready = True  # nothing is ready before the first worker reports
+        self.seen_ready = False
+        self.unready_since: float | None = None
+
+    def restarted(self, now: float) -> None:
+        self.spawned_at = now
+        self.seen_unready = self.seen_ready = False
+        self.unready_since = None
+
+    def observe(self, worker_ready: bool | None, now: float) -> None:
+        if worker_ready is None:  # the gateway did not answer: nothing to conclude
+            return
+        if not worker_ready:
+            self.seen_unready = True
+            if self.seen_ready and self.unready_since is None:
+                self.unready_since = now
+            return
+        self.unready_since = None
+        if self.startup_s is None:
+            self.startup_s = now - self.spawned_at
+        if self.seen_unready or now - self.spawned_at > 2 * self.startup_s:
+            self.seen_ready = True
+
+    def hung(self, now: float, after_s: float = HUNG_KILL_S) -> bool:
+        return self.unready_since is not None and now - self.unready_since > after_s
 
 
 def child_argv(args: argparse.Namespace, add_group) -> list[str]:
@@ -72,17 +139,33 @@ def serve(args: argparse.Namespace) -> int:
     log.info("started", pids={n: c.pid for n, c in children.items()}, run_dir=run_dir, admin=args.admin_bind)
     url = f"http://{args.host}:{args.port}"
     ready = False
+    budget, watch = RestartBudget(), HungWatch(time.monotonic())
+    next_probe = 0.0
     rc = 0
     try:
         while not stopping:
+            now = time.monotonic()
             dead = {n: c.returncode for n, c in children.items() if c.poll() is not None}
-            if dead:
-                log.error("child exited; shutting down the others", exited=dead)
+            fatal = {n: code for n, code in dead.items() if n not in RESTARTABLE or not budget.take(now)}
+            if fatal:
+                log.error("child exited; shutting down the others", exited=fatal, num_restarts=len(budget.times))
                 rc = 1
                 break
-            if not ready and _healthy(url):
-                ready = True
-                log.info("ready", url=url)
+            for name in dead:
+                log.warning("child exited; restarting it", child=name, returncode=dead[name])
+                children[name] = subprocess.Popen(commands[name], env=envs.get(name))
+                watch.restarted(now)
+            if now >= next_probe:
+                next_probe = now + PROBE_INTERVAL_S
+                health = _health(url)
+                if not ready and health is not None and health[0]:
+                    ready = True
+                    log.info("ready", url=url)
+                watch.observe(health[1] if health else None, now)
+                if watch.hung(now):
+                    log.error("worker hung (the scheduler lost it); killing it", pid=children["worker"].pid)
+                    children["worker"].kill()
+                    watch.restarted(now)
             time.sleep(0.2)
     finally:
         _stop_all(children, log)
@@ -90,12 +173,23 @@ def serve(args: argparse.Namespace) -> int:
     return rc
 
 
-def _healthy(url: str) -> bool:
+def _health(url: str) -> tuple[bool, bool | None] | None:
+    """(healthy, worker ready), or None when the gateway does not answer. /health lists
+    only schedulers with a ready worker, so an answer with none means the worker is not
+    ready (or the scheduler is gone, which the supervisor sees as an exit)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=0.5) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+            body = json.loads(resp.read())
+            status = resp.status
+    except urllib.error.HTTPError as e:  # 503: answered, but nothing is ready
+        try:
+            body, status = json.loads(e.read()), e.code
+        except ValueError:
+            return None
+    except (OSError, ValueError):
+        return None
+    schedulers = body.get("schedulers") or []
+    return status == 200, any(s.get("worker_ready") for s in schedulers)
 
 
 def _stop_all(children: dict[str, subprocess.Popen], log) -> None:

@@ -7,6 +7,14 @@
 One loop: receive (bounded per tick) → dispatch → step → send. The core never sees a
 socket or the clock; this file feeds it `now` and moves its Plans and outputs, and tells
 the `Observer` (admin.py) what happened so operators can see it.
+
+A worker that dies or hangs costs a pause, not a request. It is declared lost when a step
+result is overdue (`step_deadline_s`) or when a new `WorkerReady` arrives (a restarted
+worker has empty pools). Every live request is then held, with its prompt, the output
+tokens already streamed, its sampling params, SLOs and arrival time, and re-added to a fresh
+core when the next worker is ready: its KV is recomputed and it carries on. Tokens of the
+steps in flight at the crash were never streamed, so they are simply computed again; the
+worker seeds sampling per position, so outputs match an undisturbed run.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import zmq.asyncio
 from services.scheduler import admin
 from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
 from services.scheduler.metrics import Flight, trace_line
+from services.scheduler.recovery import NUM_STEP_SAMPLES, STEP_TIMEOUT_S, Held, resubmission, step_deadline_s
 from shared import config, protocol as p
 from shared.log import setup_logging
 
@@ -51,6 +60,7 @@ def core_config(args: argparse.Namespace) -> SchedulerConfig:
         ttft_slo=args.ttft_slo,
         tbt_slo=args.tbt_slo,
         xfer_budget=args.xfer_budget,
+        max_waiting=args.max_waiting,
     )
 
 
@@ -65,6 +75,7 @@ class SchedulerService:
         step_trace: str | None = None,
         admin_bind: str | None = None,
         admin_token: str | None = None,
+        step_timeout_s: float = STEP_TIMEOUT_S,
     ) -> None:
         self.cfg = cfg
         self.log = log
@@ -80,8 +91,13 @@ class SchedulerService:
         self.worker: p.WorkerReady | None = None
         self.owner: dict[str, bytes] = {}  # request_id -> gateway identity
         self.gateways: set[bytes] = set()
-        self.pending: list[tuple[bytes, p.AddRequest]] = []  # arrived before the worker
+        self.held: list[Held] = []  # requests waiting for a ready worker, oldest first
         self.in_flight: deque[Flight] = deque()  # plans sent and not yet reported, oldest first
+        self.sent_at: deque[tuple[float, int]] = deque()  # (monotonic send time, tokens) per flight
+        self.last_result_at = 0.0
+        self.step_times: deque[tuple[float, int]] = deque(maxlen=NUM_STEP_SAMPLES)  # (seconds, tokens)
+        self.step_timeout_s = step_timeout_s
+        self.num_worker_losses = 0
         self.idle = True  # nothing in flight and nothing to schedule
         self.pipeline_depth = pipeline_depth
         self.trace = open(step_trace, "a", buffering=1) if step_trace else None
@@ -135,6 +151,7 @@ class SchedulerService:
                 await self._drain(self.back, self._on_worker)
             if self.admin in events:
                 await self._drain(self.admin, self._on_admin, MAX_ADMIN_PER_TICK)
+            self._check_worker()
             self._maybe_step()
             self._maybe_send_stats()
         self.close()
@@ -165,7 +182,7 @@ class SchedulerService:
                 self._send_stats_to(identity)
             case p.AddRequest():
                 if self.core is None:
-                    self.pending.append((identity, msg))
+                    self._hold(identity, msg)
                 else:
                     self._add(identity, msg)
             case p.AbortRequest(request_id=rid):
@@ -173,8 +190,8 @@ class SchedulerService:
 
     def abort(self, rid: str) -> bool:
         """Abort a live or pending request (its gateway is told); False if there is none."""
-        told = [i for i, m in self.pending if m.request_id == rid]
-        self.pending = [(i, m) for i, m in self.pending if m.request_id != rid]
+        told = [h.identity for h in self.held if h.req.request_id == rid]
+        self.held = [h for h in self.held if h.req.request_id != rid]
         now = time.monotonic()
         out = self.core.abort_request(rid, now) if self.core else None
         owner = self.owner.pop(rid, None)
@@ -186,11 +203,20 @@ class SchedulerService:
             self._reply(identity, p.StepOutputs([out or p.TokenOutput(rid, [], "abort")]))
         return out is not None or bool(told)
 
-    def _add(self, identity: bytes, req: p.AddRequest) -> None:
+    def _hold(self, identity: bytes, req: p.AddRequest) -> None:
+        """Keep a new request until a worker is ready, within the same `max_waiting` bound."""
+        limit = self.cfg.max_waiting
+        num_new = sum(not h.resumed for h in self.held)
+        if limit and num_new >= limit:
+            self._refuse(identity, req.request_id, f"{num_new} requests are waiting; try again later", "overloaded")
+            return
+        self.held.append(Held(identity, req, time.monotonic()))
+
+    def _add(self, identity: bytes, req: p.AddRequest, arrival: float | None = None) -> None:
         if self.draining:
             self._refuse(identity, req.request_id, DRAINING_MESSAGE, "service_unavailable")
             return
-        now = time.monotonic()
+        now = time.monotonic() if arrival is None else arrival
         try:
             self.core.add_request(req, now)
         except Overloaded as e:
@@ -236,25 +262,75 @@ class SchedulerService:
                 self._fail_all(f"worker error: {text}")
 
     def _on_worker_ready(self, ready: p.WorkerReady) -> None:
+        """A (new or restarted) worker with empty pools: a fresh core, then every held
+        request, resumed ones first (they are older), each with its original arrival."""
         if self.core is not None:
-            self.log.warning("worker reconnected; failing in-flight requests")
-            self._fail_all("worker restarted")
+            self._lose_worker("a new worker connected")
         self.worker = ready
         self.observer.block_bytes = ready.block_bytes
-        # The worker owns the KV layout, so its block size wins.
-        cfg = dataclasses.replace(self.cfg, block_size=ready.block_size)
+        # The worker owns the KV layout, so its block size wins. Resumed requests were
+        # already admitted: `max_waiting` applies only once they are back in.
+        cfg = dataclasses.replace(self.cfg, block_size=ready.block_size, max_waiting=0)
         self.core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len)
-        self.in_flight.clear()
+        self.step_times.clear()
         self.log.info(
             "worker ready",
             model=ready.model_name,
             device=ready.device,
             hbm_blocks=ready.num_hbm_blocks,
             dram_blocks=ready.num_dram_blocks,
+            num_resumed=sum(h.resumed for h in self.held),
         )
-        pending, self.pending = self.pending, []
-        for identity, req in pending:
-            self._add(identity, req)
+        held, self.held = self.held, []
+        for h in held:
+            if h.resumed:
+                self._resume(h)
+        cfg.max_waiting = self.cfg.max_waiting
+        for h in held:
+            if not h.resumed:
+                self._add(h.identity, h.req, h.arrival)
+
+    def _resume(self, h: Held) -> None:
+        """Re-add a request that was live on the lost worker; its timeline carries on.
+
+        The core takes the arrival as its last-token time too, so a resumed request that
+        has emitted tokens looks as late as it can be: LVF puts it first after the pause."""
+        try:
+            self.core.add_request(h.req, h.arrival)
+        except ValueError as e:  # the new worker is smaller than the old one
+            self.owner.pop(h.req.request_id, None)
+            self._refuse(h.identity, h.req.request_id, str(e), "internal_error")
+            return
+        self.owner[h.req.request_id] = h.identity
+
+    def _check_worker(self) -> None:
+        """Declare the worker lost when the oldest plan's result is overdue."""
+        if not self.in_flight:
+            return
+        now = time.monotonic()
+        sent, num_tokens = self.sent_at[0]
+        started = max(sent, self.last_result_at)
+        deadline = step_deadline_s(self.step_times, num_tokens, self.step_timeout_s)
+        if now - started > deadline:
+            self._lose_worker(f"step {self.in_flight[0].step_id} not back after {now - started:.1f}s")
+
+    def _lose_worker(self, reason: str) -> None:
+        """Hold every live request for the next worker; fail nothing."""
+        core = self.core
+        live = sorted(core.requests.values(), key=lambda r: r.seq) if core else []
+        resumed = [
+            Held(self.owner[r.request_id], resubmission(r), r.arrival, resumed=True)
+            for r in live
+            if r.request_id in self.owner
+        ]
+        self.held = resumed + self.held
+        self.num_worker_losses += 1
+        self.log.error("worker lost; holding live requests for the next worker", reason=reason, num_held=len(resumed))
+        self.core = None
+        self.in_flight.clear()
+        self.sent_at.clear()
+        self.idle = True
+        self.stats_changed = True
 
     def _on_result(self, result: p.StepResult) -> None:
         if not self.in_flight or result.step_id != self.in_flight[0].step_id:
@@ -263,6 +339,9 @@ class SchedulerService:
         flight = self.in_flight.popleft()
         self.stats_changed = True
         now = time.monotonic()
+        sent, num_tokens = self.sent_at.popleft()
+        self.step_times.append((now - max(sent, self.last_result_at), num_tokens))
+        self.last_result_at = now
         outputs = self.core.update(result, now)
         stalled = self.observer.stepped(flight, result, now)
         self.observer.outputs(outputs, now)
@@ -289,6 +368,7 @@ class SchedulerService:
         self.observer.reset()
         self.core = None
         self.in_flight.clear()
+        self.sent_at.clear()
 
     # ------------------------------------------------------------ stepping and stats
 
@@ -303,8 +383,13 @@ class SchedulerService:
             if plan is None:
                 self.idle = self.idle or not self.in_flight
                 return
-            self.back.send(p.encode(plan), flags=zmq.NOBLOCK)
+            try:
+                self.back.send(p.encode(plan), flags=zmq.NOBLOCK)
+            except zmq.Again:  # no worker connected: its plan is recomputed on the next one
+                self._lose_worker("no worker connected")
+                return
             self.in_flight.append(Flight.of(plan, self.core.last_step, time.perf_counter() - t0, self.idle))
+            self.sent_at.append((time.monotonic(), sum(s.num_new_tokens for s in plan.scheduled)))
             self.idle = False
             self.observer.planned(self.core, was_running, now)
 
@@ -330,7 +415,7 @@ class SchedulerService:
 
     def stats(self) -> p.SchedulerStats:
         w = self.worker
-        counts = self.core.stats() if self.core else {"num_waiting": len(self.pending)}
+        counts = self.core.stats() if self.core else {"num_waiting": len(self.held)}
         return p.SchedulerStats(
             scheduler_id=self.id,
             model_name=w.model_name if w else "",
@@ -360,6 +445,7 @@ def run(args: argparse.Namespace) -> int:
         args.step_trace,
         admin_bind=args.admin_bind,
         admin_token=args.admin_token or os.environ.get(admin.TOKEN_ENV) or None,
+        step_timeout_s=args.step_timeout,
     )
     metrics_server = service.observer.metrics.serve(args.metrics_host, args.metrics_port, log)
 

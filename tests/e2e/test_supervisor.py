@@ -1,13 +1,16 @@
-"""`superinfer serve` as an operator sees it: it stops cleanly, and a dead child is not hidden."""
+"""`superinfer serve` as an operator sees it: it stops cleanly, a dead worker is restarted,
+and a dead scheduler is not hidden."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
-from bench.live import start_server
+from bench.live import start_server, wait_for
 
 
 def children_of(pid: int) -> list[int]:
@@ -43,12 +46,42 @@ def test_sigterm_stops_all_three_within_5s(tmp_path):
     assert not any(alive(k) for k in kids)
 
 
-def test_dead_child_is_reported_and_the_rest_shut_down(tmp_path):
+def role_of(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return next(r for r in ("gateway", "scheduler", "worker") if r.encode() in argv)
+
+
+def test_dead_worker_is_restarted_and_the_server_serves_again(tmp_path):
+    server = start_server(tmp_path)
+    try:
+        kids = {role_of(k): k for k in children_of(server.proc.pid)}
+        os.kill(kids["worker"], signal.SIGKILL)
+        assert wait_for(lambda: "restarting it" in server.log_tail(), timeout=10), server.log_tail()
+        assert _complete(server)["usage"]["completion_tokens"] == 4, server.log_tail()
+        now = {role_of(k): k for k in children_of(server.proc.pid)}
+        assert now["worker"] != kids["worker"]
+        assert (now["gateway"], now["scheduler"]) == (kids["gateway"], kids["scheduler"])
+        assert server.proc.poll() is None
+    finally:
+        assert server.stop() == 0
+
+
+def test_dead_scheduler_is_reported_and_the_rest_shut_down(tmp_path):
     server = start_server(tmp_path)
     kids = children_of(server.proc.pid)
-    worker = next(k for k in kids if b" worker " in Path(f"/proc/{k}/cmdline").read_bytes().replace(b"\0", b" "))
-    os.kill(worker, signal.SIGKILL)
+    scheduler = next(k for k in kids if role_of(k) == "scheduler")
+    os.kill(scheduler, signal.SIGKILL)
     rc = server.proc.wait(timeout=15)
     assert rc != 0
-    assert "child exited" in server.log_tail()
+    assert "child exited; shutting down" in server.log_tail()
     assert not any(alive(k) for k in kids)
+
+
+def _complete(server) -> dict:
+    """One small completion; it waits at the scheduler while the new worker loads."""
+    body = {"model": server.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(
+        server.base_url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
+from services.scheduler.core import Overloaded, SchedulerConfig
 from shared.protocol import SLO, AddRequest, SamplingParams, StepResult
 
 from .harness import STOP, Driver, SymbolicWorker, add, make_core

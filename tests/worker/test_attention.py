@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from services.worker.attention import build_metadata, paged_attention, slot_mapping, write_kv
 

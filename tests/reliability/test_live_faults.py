@@ -1,0 +1,75 @@
+"""Faults on a live `superinfer serve` (CPU, bundled model, loopback): SIGKILL the worker
+under load, and flood a server that admits one waiting request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from bench.live import start_server, wait_for
+from tests.reliability.live import PROMPTS, child_by_role, client_for, stream_all, stream_one
+
+
+@pytest.mark.slow
+def test_sigkilled_worker_is_restarted_and_every_request_completes_identically(tmp_path):
+    server = start_server(tmp_path)
+    try:
+        client = client_for(server)
+        worker = child_by_role(server.proc.pid, "worker")
+        assert worker is not None, server.log_tail()
+
+        async def scenario():
+            reference = await stream_all(client, server.model, [])
+            token_times: list[float] = []
+            run = asyncio.create_task(stream_all(client, server.model, token_times))
+            while len(token_times) < len(PROMPTS) * 12 and not run.done():
+                await asyncio.sleep(0.01)
+            killed_at = time.monotonic()
+            os.kill(worker, signal.SIGKILL)
+            disturbed = await run
+            after = [t for t in token_times if t > killed_at + 0.05]
+            return reference, disturbed, killed_at, after
+
+        reference, disturbed, killed_at, after = asyncio.run(scenario())
+        assert after, "no token after the kill: it came too late to test recovery"
+        print(f"recovery: kill -> first token after restart {after[0] - killed_at:.2f}s")
+        assert disturbed == reference
+        new_worker = child_by_role(server.proc.pid, "worker")
+        assert new_worker not in (None, worker), server.log_tail()
+        assert "restarting it" in server.log_tail(200)
+        assert asyncio.run(stream_one(client_for(server), server.model, PROMPTS[0], [])) == reference[0]
+        assert wait_for(lambda: server.scheduler_stats()["num_running"] == 0)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_max_waiting_turns_the_excess_into_429_with_retry_after(tmp_path):
+    server = start_server(tmp_path, "--max-waiting", "1", "--max-num-seqs", "1")
+    body = {"model": server.model, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+    async def one(session, prompt):
+        async with session.post(server.base_url + "/v1/completions", json={**body, "prompt": prompt}) as resp:
+            return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(one(session, q) for q in PROMPTS))
+
+    try:
+        replies = asyncio.run(scenario())
+    finally:
+        server.stop()
+    refused = [r for r in replies if r[0] == 429]
+    served = [r for r in replies if r[0] == 200]
+    assert refused and served and len(refused) + len(served) == len(PROMPTS), replies
+    for _, retry_after, err in refused:
+        assert retry_after is not None and int(retry_after) >= 1
+        assert err["error"]["type"] == "overloaded" and err["error"]["message"]
+    for _, _, done in served:
+        assert done["usage"]["completion_tokens"] == 16

@@ -1,0 +1,56 @@
+"""The supervisor's decisions, without processes: how many restarts, and when a worker
+that still runs counts as hung."""
+
+from __future__ import annotations
+
+from services.supervisor import HUNG_KILL_S, HungWatch, RestartBudget
+
+
+def test_restart_budget_allows_a_few_per_window_then_gives_up():
+    budget = RestartBudget(limit=3, window_s=60.0)
+    assert [budget.take(t) for t in (0.0, 1.0, 2.0, 3.0)] == [True, True, True, False]
+    assert budget.take(61.5)  # the first restart has left the window
+
+
+def test_hung_watch_kills_only_a_worker_that_was_ready_and_stayed_unready():
+    watch = HungWatch(0.0)
+    watch.observe(False, 1.0)  # still loading: never ready yet
+    assert not watch.hung(100.0)
+    watch.observe(True, 10.0)  # start-up took 10 s
+    watch.observe(False, 102.0)
+    assert not watch.hung(102.0 + HUNG_KILL_S - 0.1)
+    watch.observe(None, 103.0)  # the gateway did not answer: no conclusion either way
+    assert watch.hung(102.0 + HUNG_KILL_S + 0.1)
+
+
+def test_hung_watch_does_not_take_the_old_workers_readiness_for_the_new_one():
+    watch = HungWatch(0.0)
+    watch.observe(True, 10.0)
+    watch.restarted(200.0)
+    watch.observe(True, 201.0)  # the scheduler has not noticed the old one died yet
+    watch.observe(False, 202.0)  # now it has; the new worker is loading
+    assert not watch.hung(215.0)
+    watch.observe(True, 211.0)  # the new worker is ready
+    watch.observe(False, 300.0)
+    assert watch.hung(300.0 + HUNG_KILL_S + 0.1)
+
+
+def test_hung_watch_trusts_a_restarted_worker_after_twice_the_start_up_time():
+    watch = HungWatch(0.0)
+    watch.observe(True, 10.0)
+    watch.restarted(100.0)
+    watch.observe(True, 110.0)  # no unready gap seen: not yet trusted
+    watch.observe(False, 111.0)
+    assert not watch.hung(200.0)
+    watch.restarted(300.0)
+    watch.observe(True, 321.0)  # ran longer than 2 x 10 s: this is the new one
+    watch.observe(False, 330.0)
+    assert watch.hung(330.0 + HUNG_KILL_S + 0.1)
+
+
+def test_hung_watch_forgets_a_pause_that_ended():
+    watch = HungWatch(0.0)
+    watch.observe(True, 5.0)
+    watch.observe(False, 6.0)
+    watch.observe(True, 7.0)
+    assert not watch.hung(100.0)
