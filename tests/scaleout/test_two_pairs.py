@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.scaleout.cluster import STARTUP_TIMEOUT_S, health, post_json, start_gateway, start_pair, wait_until
+from bench.live import STARTUP_TIMEOUT_S
+from tests.scaleout.cluster import health, post_json, start_gateway, start_pair, wait_until
 
 BIG_HBM_BLOCKS = 256
 SMALL_HBM_BLOCKS = 12  # ~4 requests of ~40 tokens (3 blocks of 16 each)
