@@ -27,6 +27,15 @@ _ERRORS = {
 }
 
 
+# One server-sent event (OpenAPI 3.1 describes a stream by its events): `data` is a JSON
+# chunk, or `[DONE]` last.
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["data"],
+}
+
+
 def _ref(name: str) -> dict:
     return {"$ref": _REF.format(name=name)}
 
@@ -46,7 +55,7 @@ def _generation_path(summary: str, request: str, whole: str, chunk: str) -> dict
                     "description": f"`{whole}`; with `stream: true`, server-sent `{chunk}` events, then `[DONE]`",
                     "content": {
                         "application/json": {"schema": _ref(whole)},
-                        "text/event-stream": {"schema": {"type": "string"}},
+                        "text/event-stream": {"schema": _SSE_EVENT},
                     },
                 },
                 **_error_responses(),

@@ -14,7 +14,6 @@ import tempfile
 import uuid
 
 import msgspec
-import pytest
 import zmq
 import zmq.asyncio
 from hypothesis import HealthCheck, given, settings
@@ -263,11 +262,15 @@ async def _live_worker_scenario(tmp: str) -> None:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(addr)
-    args = [sys.executable, "-m", "services.cli", "worker", "--connect", addr, "--device", "cpu",
-            "--hbm-blocks", "16", "--dram-gb", "0.01", "--log-level", "error"]
+    args = [sys.executable, "-m", "services.cli", "--log-level", "error", "worker", "--connect", addr,
+            "--device", "cpu", "--hbm-blocks", "16", "--dram-gb", "0.01"]
     proc = await asyncio.create_subprocess_exec(*args, cwd=REPO)
     try:
-        ready = p.worker_reply_decoder.decode(await asyncio.wait_for(sock.recv(), 120))
+        exited = asyncio.create_task(proc.wait())
+        done, _ = await asyncio.wait([asyncio.ensure_future(sock.recv()), exited], timeout=120,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        assert done and exited not in done, f"the worker did not start (exit code {proc.returncode})"
+        ready = p.worker_reply_decoder.decode(done.pop().result())
         assert isinstance(ready, p.WorkerReady)
         garbage = [b"", b"\xc1", p.encode(p.Plan(1))[:-1], p.encode(p.StatsQuery()), msgspec.msgpack.encode({"a": 1})]
         await sock.send_multipart(garbage)
@@ -290,6 +293,5 @@ async def _live_worker_scenario(tmp: str) -> None:
         ctx.term()
 
 
-@pytest.mark.slow
 def test_live_worker_keeps_serving_after_garbage(tmp_path):
     asyncio.run(_live_worker_scenario(str(tmp_path)))
