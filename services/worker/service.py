@@ -171,10 +171,10 @@ def build_worker(
     model, cfg = load_model(path, device, group=group)
     spec = KVSpec.from_model(cfg, args.block_size, dtype=next(model.parameters()).dtype)
     num_ranks = 1 if group is None else group.num_ranks
-    # Ranks on one host share its RAM: size a CPU pool by the whole KV (all ranks' heads).
-    sizing = spec if device.type == "cuda" else dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * num_ranks)
-    num_hbm = num_hbm_blocks(sizing, device, args.hbm_blocks, args.hbm_fraction)
-    num_dram = num_dram_blocks(dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * num_ranks), args.dram_gb)
+    # Ranks on one host share its RAM: size host pools by the whole KV (all ranks' heads).
+    whole = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * num_ranks)
+    num_hbm = num_hbm_blocks(spec if device.type == "cuda" else whole, device, args.hbm_blocks, args.hbm_fraction)
+    num_dram = num_dram_blocks(whole, args.dram_gb)
     if group is not None:
         num_hbm, num_dram = group.min_int(num_hbm), group.min_int(num_dram)
     pools = KVPools(spec, num_hbm, num_dram, device)
@@ -195,7 +195,7 @@ def build_worker(
 def run(args: argparse.Namespace) -> int:
     log = setup_logging("worker", args.log_level)
     device = resolve_device(args.device)
-    num_ranks = getattr(args, "tp", 1)
+    num_ranks = args.tp
     t0 = time.perf_counter()
     group, ranks = None, []
     if num_ranks > 1:
