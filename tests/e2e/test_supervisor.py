@@ -11,18 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.live import start_server, wait_for
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
+from tests.reliability.live import children_of
 
 
 def alive(pid: int) -> bool:
