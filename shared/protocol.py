@@ -183,6 +183,7 @@ class WorkerReady(_Msg, tag="ready"):
     max_model_len: int
     device: str
     block_bytes: int = 0  # bytes of one KV block (all layers, K and V)
+    vocab_size: int = 0  # 0: not reported (prompt ids are then not checked)
 
 
 class StepTimings(_Data):

@@ -49,6 +49,17 @@ DRAINING_MESSAGE = "the scheduler is draining: it admits no new requests"
 _STATS_COUNTS = [f for f in p.SchedulerStats.__struct_fields__ if f.startswith("num_")]
 
 
+def _out_of_vocab(req: p.AddRequest, vocab_size: int) -> str | None:
+    """A token id the model has no embedding for would fail the whole step on the worker
+    (and with it every request in that step): refuse it here, alone. 0: not reported."""
+    if not vocab_size:
+        return None
+    for t in (*req.prompt_token_ids, *req.output_token_ids):
+        if not 0 <= t < vocab_size:
+            return f"token id {t} is outside the model's vocabulary (0..{vocab_size - 1})"
+    return None
+
+
 def core_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         policy=args.policy,
@@ -217,6 +228,9 @@ class SchedulerService:
             self._refuse(identity, req.request_id, DRAINING_MESSAGE, "service_unavailable")
             return
         now = time.monotonic() if arrival is None else arrival
+        if bad := _out_of_vocab(req, self.worker.vocab_size):
+            self._refuse(identity, req.request_id, bad, "invalid_request_error")
+            return
         try:
             self.core.add_request(req, now)
         except Overloaded as e:

@@ -188,6 +188,7 @@ def build_worker(
         max_model_len=min(cfg.max_position, pools.num_hbm_blocks * args.block_size),
         device=str(device) if group is None else f"{device} x{num_ranks}",
         block_bytes=spec.block_bytes * num_ranks,
+        vocab_size=cfg.vocab_size,
     )
     return runner, engine, ready
 

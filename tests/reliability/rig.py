@@ -20,6 +20,7 @@ from shared.log import setup_logging
 
 NUM_HBM_BLOCKS = 64
 BLOCK_SIZE = 4
+VOCAB_SIZE = 1000  # next_token() stays below it
 
 
 def next_token(tokens: list[int]) -> int:
@@ -51,7 +52,8 @@ class ToyWorker:
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
-        await self.sock.send(p.encode(p.WorkerReady("toy", NUM_HBM_BLOCKS, 256, BLOCK_SIZE, 256, "cpu")))
+        ready = p.WorkerReady("toy", NUM_HBM_BLOCKS, 256, BLOCK_SIZE, 256, "cpu", vocab_size=VOCAB_SIZE)
+        await self.sock.send(p.encode(ready))
         while True:
             plan = p.worker_msg_decoder.decode(await self.sock.recv())
             await asyncio.sleep(self.step_s)

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from services.scheduler.recovery import FIRST_STEP_TIMEOUT_S, step_deadline_s
-from tests.reliability.rig import ToyWorker, run_rig, undisturbed, until
+from tests.reliability.rig import VOCAB_SIZE, ToyWorker, run_rig, undisturbed, until
 
 NUM_REQUESTS = 8
 MAX_TOKENS = 40
@@ -120,3 +120,19 @@ def test_step_deadline_scales_with_recent_steps():
     assert step_deadline_s([(0.05, 8)] * 9 + [(3.0, 8)], 8, 2.0) == 6.0  # one slow step: 2 x slowest
     # A 512-token prefill after decodes of 8: 10 x 512 tokens x 1.25 ms.
     assert abs(step_deadline_s(decodes, 512, 2.0) - 6.4) < 1e-9
+
+
+def test_prompt_ids_outside_the_vocabulary_are_refused_alone(tmp_path):
+    async def scenario(rig):
+        worker = ToyWorker(rig.worker_addr)
+        try:
+            await rig.gateway.add("bad", [5, VOCAB_SIZE + 7, 9], 4)
+            await rig.gateway.add("good", [5, 6, 9], 4)
+            assert await until(lambda: "bad" in rig.gateway.errors and "good" in rig.gateway.finished)
+        finally:
+            await worker.kill()
+        err = rig.gateway.errors["bad"]
+        assert err.type == "invalid_request_error" and "vocabulary" in err.message
+        assert rig.gateway.tokens["good"] == undisturbed([5, 6, 9], 4)
+
+    asyncio.run(run_rig(tmp_path, scenario))
