@@ -31,6 +31,17 @@ def assert_undisturbed(rig) -> None:
         assert gw.tokens[f"r{i}"] == undisturbed(prompt(i), MAX_TOKENS), f"r{i}"
 
 
+async def finish_on_a_new_worker(rig) -> ToyWorker:
+    """Start a replacement worker, wait until every request finished, check the outputs."""
+    worker = ToyWorker(rig.worker_addr)
+    try:
+        assert await until(lambda: len(rig.gateway.finished) == NUM_REQUESTS), rig.gateway.finished
+    finally:
+        await worker.kill()
+    assert_undisturbed(rig)
+    return worker
+
+
 def test_killed_worker_requests_resume_on_the_next_with_identical_outputs(tmp_path):
     async def scenario(rig):
         first = ToyWorker(rig.worker_addr)
@@ -39,12 +50,7 @@ def test_killed_worker_requests_resume_on_the_next_with_identical_outputs(tmp_pa
         await first.kill()
         await asyncio.sleep(0.2)
         killed_at = len(rig.gateway.token_times)
-        second = ToyWorker(rig.worker_addr)
-        try:
-            assert await until(lambda: len(rig.gateway.finished) == NUM_REQUESTS), rig.gateway.finished
-        finally:
-            await second.kill()
-        assert_undisturbed(rig)
+        second = await finish_on_a_new_worker(rig)
         assert killed_at < NUM_REQUESTS * MAX_TOKENS  # the kill came mid-way
         assert rig.service.num_worker_losses == 1
         assert second.num_steps > 0
@@ -64,12 +70,7 @@ def test_hung_worker_is_declared_lost_after_the_step_timeout(tmp_path):
         assert 0.25 < detected_s < 2.0, detected_s
         assert not rig.service.stats().worker_ready
         await first.kill()  # what the supervisor does to a worker the scheduler lost
-        second = ToyWorker(rig.worker_addr)
-        try:
-            assert await until(lambda: len(rig.gateway.finished) == NUM_REQUESTS), rig.gateway.finished
-        finally:
-            await second.kill()
-        assert_undisturbed(rig)
+        await finish_on_a_new_worker(rig)
 
     asyncio.run(run_rig(tmp_path, scenario, step_timeout_s=0.3))
 
