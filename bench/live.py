@@ -43,6 +43,14 @@ class Server:
         with urllib.request.urlopen(self.base_url + path, timeout=5) as resp:
             return json.loads(resp.read())
 
+    def healthy(self) -> bool:
+        """/health answers 200: the gateway is up and a scheduler with a ready worker too."""
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=1) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
     def scheduler_stats(self) -> dict:
         return self.get_json("/health")["schedulers"][0]
 
@@ -73,15 +81,24 @@ def start_server(log_dir: Path, *extra: str) -> Server:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"serve exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            with urllib.request.urlopen(server.base_url + "/health", timeout=1) as resp:
-                if resp.status == 200:
-                    return server
-        except OSError:
-            pass
+        if server.healthy():
+            return server
         time.sleep(0.3)
     server.stop()
     raise RuntimeError(f"serve not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
+
+
+def children_of(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:

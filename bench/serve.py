@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from bench.report import RequestRecord, format_summary, plot_cdfs, summarize
 from bench.workload import SyntheticSpec, WorkItem, load_workload
 
 DONE = object()  # the `data: [DONE]` sentinel
+HUNG_UP = "the client hung up"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,8 +169,12 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, item: WorkI
     return record
 
 
-async def read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, start: float) -> None:
-    """Fill `record` from the SSE stream; `ok` only when it ended with [DONE], no error."""
+async def read_stream(
+    resp: aiohttp.ClientResponse, record: RequestRecord, start: float, hang_up: Callable[[dict], bool] | None = None
+) -> None:
+    """Fill `record` from the SSE stream; `ok` only when it ended with [DONE], no error.
+    `hang_up(event)`, when given, sees each event first; True closes the connection there
+    (the soak benchmark's deliberate disconnects)."""
     last, num_chunks, buf = start, 0, b""
     async for data in resp.content.iter_any():
         now = time.perf_counter()
@@ -184,6 +190,10 @@ async def read_stream(resp: aiohttp.ClientResponse, record: RequestRecord, start
                 return
             if event is None:
                 continue
+            if hang_up is not None and hang_up(event):
+                resp.close()
+                record.error = HUNG_UP
+                return
             if "error" in event:
                 record.error = f"stream error: {error_message(json.dumps(event))}"
                 return

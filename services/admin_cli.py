@@ -8,7 +8,9 @@
 
 `--admin ADDR` (or SUPERINFER_ADMIN) picks the scheduler, default tcp://127.0.0.1:5559, where
 `superinfer serve` and `superinfer scheduler` put it; the token comes from --admin-token
-or SUPERINFER_ADMIN_TOKEN. Rendering is plain text and ANSI escapes (no curses).
+or SUPERINFER_ADMIN_TOKEN. A scheduler started with `--zmq-keys DIR` answers only clients
+with the same keys (`--zmq-keys DIR` or SUPERINFER_ZMQ_KEYS here too), and an address off
+loopback needs them. Rendering is plain text and ANSI escapes (no curses).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import msgspec
 
 from shared import protocol as p
+from shared import zmqsec
 
 DEFAULT_ADMIN_ADDR = "tcp://127.0.0.1:5559"
 ADDR_ENV = "SUPERINFER_ADMIN"
@@ -57,13 +60,14 @@ def _none_last(v: float | None) -> float:
 
 
 class AdminClient:
-    def __init__(self, addr: str, timeout_s: float) -> None:
+    def __init__(self, addr: str, timeout_s: float, zmq_keys: str | None = None) -> None:
         import zmq  # here: `superinfer --help` need not load it
 
         self.addr, self.timeout_s = addr, timeout_s
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        zmqsec.Curve(self.ctx, zmq_keys).secure_client(self.sock, addr)
         self.sock.connect(addr)
 
     def ask(self, msg: p.AdminRequest) -> p.AdminReply:
@@ -236,7 +240,10 @@ _RUN = {"queues": cmd_queues, "top": cmd_top, "stats": cmd_stats, "abort": cmd_a
 
 
 def run(args: argparse.Namespace) -> int:
-    client = AdminClient(args.admin, args.timeout)
+    if reason := zmqsec.refusal([args.admin], args.zmq_keys, zmqsec.CLIENT):
+        print(f"superinfer {args.command}: {reason}", file=sys.stderr)
+        return 2
+    client = AdminClient(args.admin, args.timeout, args.zmq_keys)
     try:
         return _RUN[args.command](client, args)
     except AdminFailure as e:
@@ -260,6 +267,7 @@ def add_commands(sub) -> None:
         help=f"the scheduler's admin address (default ${ADDR_ENV} or {DEFAULT_ADMIN_ADDR})",
     )
     common.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    zmqsec.add_keys_arg(common)
     view = argparse.ArgumentParser(add_help=False)
     view.add_argument("--state", action="append", choices=STATES, help="only requests in this state (repeatable)")
     view.add_argument("--sort", choices=list(SORT_KEYS), default="vlt", help="order of rows (default %(default)s)")

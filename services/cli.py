@@ -4,6 +4,7 @@
     superinfer gateway|scheduler|worker   # one service, tcp:// addresses
     superinfer queues|top|stats           # what the scheduler is doing (admin socket)
     superinfer abort ID | drain [--undo]  # operator commands (admin token)
+    superinfer keys DIR                   # CURVE keys for --zmq-keys (tcp:// off loopback)
     superinfer bench model|kv|sched ...   # benchmarks (print numbers, write JSON)
 """
 
@@ -14,7 +15,7 @@ import importlib
 import sys
 
 from services import admin_cli
-from shared import config
+from shared import config, zmqsec
 
 # name -> module with add_arguments(parser) and run(args) -> int
 BENCHMARKS = {
@@ -23,8 +24,10 @@ BENCHMARKS = {
     "sched": ("bench.sched", "time of one LVF scheduling step vs live requests"),
     "serve": ("bench.serve", "load generator against an OpenAI-compatible server: SLO attainment"),
     "policies": ("bench.policies", "lvf vs fcfs vs sf vs wf on the live server under overload"),
+    "soak": ("bench.soak", "overload soak with disconnects: nothing lost, no leaked blocks, flat RSS"),
     "sim": ("bench.sim", "discrete-event simulator: the scheduler core with a cost-model worker"),
     "calibrate": ("bench.calibrate", "measure this machine's worker and write the `cpu` profile"),
+    "simlive": ("bench.simlive", "the simulator vs the live server on one ShareGPT trace, calibrated in the same run"),
     "reproduce": ("bench.reproduce", "regenerate bench/REPRODUCTION.md from simulator runs"),
 }
 
@@ -43,6 +46,14 @@ def _gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=config.DEFAULT_HOST, help="address to bind (default %(default)s)")
     g.add_argument("--port", type=int, default=config.DEFAULT_PORT, help="HTTP port (default %(default)s)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument(
+        "--failover-grace",
+        type=float,
+        default=config.DEFAULT_FAILOVER_GRACE_S,
+        metavar="S",
+        help="how long a request whose scheduler was lost waits for another one before it fails "
+        "(default %(default)s)",
+    )
 
 
 def _scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +98,13 @@ def _scheduler_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="requests waiting for their first schedule at most; beyond it new ones get 429 (0 = unbounded)",
+    )
+    g.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=0,
+        help="known tokens (prompt + generated) of the waiting requests at most; a new request that would "
+        "pass it gets 429, unless none is waiting (0 = unbounded)",
     )
     g.add_argument(
         "--step-timeout",
@@ -177,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"scheduler address, repeatable (default {config.DEFAULT_SCHEDULER_ADDR})",
     )
+    zmqsec.add_keys_arg(p)
 
     p = sub.add_parser("scheduler", help="start the scheduler alone")
     _scheduler_args(p)
@@ -184,13 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     _admin_token_arg(p)
     p.add_argument("--bind", default=config.DEFAULT_SCHEDULER_ADDR, help="address gateways connect to")
     p.add_argument("--worker-bind", default=config.DEFAULT_WORKER_ADDR, help="address the worker connects to")
+    zmqsec.add_keys_arg(p)
 
     p = sub.add_parser("worker", help="start the model worker alone")
     _model_args(p)
     _worker_args(p)
     p.add_argument("--connect", default=config.DEFAULT_WORKER_ADDR, help="the scheduler's worker address")
+    zmqsec.add_keys_arg(p)
 
     admin_cli.add_commands(sub)
+    zmqsec.add_keys_command(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, (module, help_text) in BENCHMARKS.items():
@@ -213,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "gateway":
         from services.gateway.server import run
 
-        run(args.host, args.port, args.scheduler or [config.DEFAULT_SCHEDULER_ADDR], args.model, args.api_key)
-        return 0
+        addrs = args.scheduler or [config.DEFAULT_SCHEDULER_ADDR]
+        return run(args.host, args.port, addrs, args.model, args.api_key, args.zmq_keys, args.failover_grace)
     if args.command == "scheduler":
         from services.scheduler.service import run
 
@@ -225,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command in admin_cli.COMMANDS:
         return admin_cli.run(args)
+    if args.command == "keys":
+        return zmqsec.run_keys(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

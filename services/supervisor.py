@@ -1,11 +1,14 @@
 """`superinfer serve`: the three services as child processes of one supervisor.
 
 The children talk over ipc:// sockets in a private runtime directory. Ctrl-C or SIGTERM
-stops all of them within 5 s. A worker that exits is restarted (the scheduler holds its
-requests and resumes them on the new one), at most MAX_RESTARTS times in RESTART_WINDOW_S;
-a worker the scheduler has declared lost but that still runs (hung) is killed after
-HUNG_KILL_S and restarted the same way. A scheduler or gateway that dies, or a worker that
-keeps dying, is reported and the rest are shut down rather than left hanging.
+stops all of them within 5 s. A child that exits is restarted, at most MAX_RESTARTS times
+in RESTART_WINDOW_S altogether: the scheduler holds a lost worker's requests and resumes
+them on the new one; the gateway holds a lost scheduler's requests and resubmits them to
+the new one (the worker starts afresh with every scheduler it connects to); a lost
+gateway's clients are gone with their connections, and the scheduler aborts what they
+left running once the gateway stays silent. A worker the scheduler has declared lost but
+that still runs (hung) is killed after HUNG_KILL_S and restarted the same way. A child
+that keeps dying is reported and the rest are shut down rather than left hanging.
 """
 
 from __future__ import annotations
@@ -27,11 +30,10 @@ from shared import config
 from shared.log import setup_logging
 
 STOP_TIMEOUT_S = 4.0
-MAX_RESTARTS = 5  # worker restarts ...
+MAX_RESTARTS = 5  # restarts ...
 RESTART_WINDOW_S = 60.0  # ... per this window, then give up
 HUNG_KILL_S = 5.0  # a running worker the scheduler has reported not ready this long is killed
 PROBE_INTERVAL_S = 1.0
-RESTARTABLE = ("worker",)
 
 
 class RestartBudget:
@@ -146,7 +148,7 @@ def serve(args: argparse.Namespace) -> int:
         while not stopping:
             now = time.monotonic()
             dead = {n: c.returncode for n, c in children.items() if c.poll() is not None}
-            fatal = {n: code for n, code in dead.items() if n not in RESTARTABLE or not budget.take(now)}
+            fatal = {n: code for n, code in dead.items() if not budget.take(now)}
             if fatal:
                 log.error("child exited; shutting down the others", exited=fatal, num_restarts=len(budget.times))
                 rc = 1

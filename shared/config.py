@@ -25,3 +25,5 @@ ZMQ_LINGER_MS = 500
 def ipc_addresses(run_dir: str) -> tuple[str, str]:
     """(scheduler address for gateways, worker address) inside a runtime directory."""
     return f"ipc://{run_dir}/scheduler.sock", f"ipc://{run_dir}/worker.sock"
+# How long a gateway holds a request whose scheduler was lost, waiting for another one.
+DEFAULT_FAILOVER_GRACE_S = 30.0

@@ -15,14 +15,20 @@ from msgspec import Meta, Struct
 
 from services.gateway.errors import from_validation
 
+# Request limits beyond the types' own (the context window is checked in params.py, the
+# body size in app.py). OpenAI's: at most 4 stop strings.
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary means "off"; the bound keeps it a machine int
+# Positive temperatures below this sample as greedy: logits / T would overflow to inf (and
+# softmax to NaN) for tiny T, and they pick the argmax anyway.
+MIN_TEMPERATURE = 1e-5
 T = TypeVar("T", "ChatCompletionRequest", "CompletionRequest")
 _INT64 = Meta(ge=-(2**63), le=2**63 - 1)
 
-Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description="0 means greedy")]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0, description=f"0 (or below {MIN_TEMPERATURE:g}) means greedy")]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-TopK = Annotated[int, Meta(ge=0, description="0 means off (extension)")]
+TopK = Annotated[int, Meta(ge=0, le=MAX_TOP_K, description="0 means off (extension)")]
 MaxTokens = Annotated[int, Meta(ge=1)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]

@@ -104,7 +104,8 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     params.check_supported(req)
     model = _check_model(req.model, state)
     link = state.client.pick()
-    prompt_ids = ep.prompt_ids(req, state.tokenizer)
+    # Off the event loop: a long prompt takes a while, and every stream's next token waits on the loop.
+    prompt_ids = await asyncio.to_thread(ep.prompt_ids, req, state.tokenizer)
     max_len = state.max_model_len(link.stats.max_model_len)
     prep = params.prepare(req, prompt_ids, max_len, state.tokenizer.stop_token_ids)
     add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)

@@ -1,16 +1,25 @@
 """From a validated OpenAI body to what the scheduler is sent: prompt token ids, sampling
 parameters, SLO, plus the stop strings the gateway itself enforces.
 
-Everything here is pure and raises `ApiError` (400) for what types alone cannot catch:
-n > 1, content that is not text, token ids outside the vocabulary, an empty prompt, and
-a prompt plus max_tokens beyond the context window.
+Everything here is pure and raises `ApiError` (400, naming the `param`) for what types
+alone cannot catch: n > 1, content that is not text, token ids outside the vocabulary, an
+empty prompt, and a prompt plus max_tokens beyond the context window (OpenAI's
+`context_length_exceeded`). The types in api.py bound the rest: max_tokens >= 1, at most
+MAX_STOP_STRINGS non-empty stop strings of at most MAX_STOP_CHARS characters, temperature,
+top_p, top_k and seed ranges, and at least one message.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.gateway.api import ChatCompletionRequest, ChatMessage, CompletionRequest, SLOSpec
+from services.gateway.api import (
+    MIN_TEMPERATURE,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SLOSpec,
+)
 from services.gateway.chat_template import ChatTemplateError
 from services.gateway.errors import bad_request
 from services.gateway.tokenizer import ModelTokenizer
@@ -92,16 +101,23 @@ def max_new_tokens(req: Request, num_prompt: int, max_model_len: int) -> int:
             param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             code="context_length_exceeded",
         )
-    asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+    asked = getattr(req, param)
     if asked is None:
         return room
     if asked > room:
         raise bad_request(
-            f"prompt ({num_prompt} tokens) plus max_tokens ({asked}) exceeds the context window ({max_model_len})",
-            param="max_tokens",
+            f"prompt ({num_prompt} tokens) plus {param} ({asked}) exceeds the context window ({max_model_len})",
+            param=param,
             code="context_length_exceeded",
         )
     return asked
+
+
+def temperature(req: Request) -> float:
+    """1 when unset; 0 (greedy) below MIN_TEMPERATURE, where dividing logits by it overflows."""
+    t = 1.0 if req.temperature is None else req.temperature
+    return 0.0 if t < MIN_TEMPERATURE else t
 
 
 def to_slo(spec: SLOSpec | None) -> SLO | None:
@@ -119,7 +135,7 @@ def prepare(req: Request, prompt_ids: list[int], max_model_len: int, stop_token_
     """The scheduler's view of a request whose prompt is already tokenized."""
     params = SamplingParams(
         max_tokens=max_new_tokens(req, len(prompt_ids), max_model_len),
-        temperature=1.0 if req.temperature is None else req.temperature,
+        temperature=temperature(req),
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
         seed=req.seed,

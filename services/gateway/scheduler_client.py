@@ -3,8 +3,15 @@
 One DEALER per scheduler address (its routing id is the gateway id, so a reconnect keeps
 the same identity). A single receive task polls them all, drains at most
 `MAX_RECV_PER_TICK` frames per socket per tick, and routes each reply to its request's
-queue; a heartbeat task says hello every second and fails the requests of a scheduler that
-has gone quiet, so no client waits forever on a dead peer.
+queue; a heartbeat task says hello every second.
+
+Failover: a scheduler is lost when its connection closes (a socket monitor reports it at
+once), when it goes quiet for `STALE_AFTER_S`, or when it comes back as a new instance (a
+new `scheduler_id`). Its requests are not failed: each handle keeps the request and the
+tokens streamed so far, and is resubmitted — prompt plus those tokens, under a fresh wire
+id — to the best scheduler that reports in within `failover_grace_s`; the client's stream
+just pauses. Only past the grace period does a request fail ("service_unavailable"). The
+lost scheduler, if it ever answers again, is first told to abort what it still runs for us.
 
 Routing: `pick()` sends each new request to the live scheduler with the lowest
 `headroom_score` (the formula is documented there, once), ties taken round-robin. A
@@ -28,9 +35,17 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from services.gateway.errors import unavailable
-from shared.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, ZMQ_HWM, ZMQ_LINGER_MS
+from shared import zmqsec
+from shared.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_FAILOVER_GRACE_S,
+    DEFAULT_MAX_NUM_SEQS,
+    ZMQ_HWM,
+    ZMQ_LINGER_MS,
+)
 from shared.protocol import (
     AbortRequest,
     AddRequest,
@@ -55,18 +70,41 @@ TIE_EPS = 1e-9  # scores closer than this are a tie
 
 log = structlog.get_logger()
 Reply = TokenOutput | RequestError
+# A resubmission refused with one of these waits for another try, not the client's error.
+RETRY_ELSEWHERE = ("overloaded", "service_unavailable")
 
 
 class RequestHandle:
-    """One submitted request's replies, in order; the last is final."""
+    """One submitted request's replies, in order; the last is final.
 
-    def __init__(self, request_id: str, link: SchedulerLink) -> None:
-        self.request_id = request_id
+    It outlives its scheduler: `token_ids` (what the client has been sent) and `req` are
+    all a resubmission needs. Each submission goes out under its own wire id (the request
+    id, then `<id>~<n>` for the n-th resubmission), so late replies from a lost scheduler
+    never reach the new attempt."""
+
+    def __init__(self, req: AddRequest, link: SchedulerLink) -> None:
+        self.req = req
+        self.request_id = req.request_id
         self.link = link
+        self.wire_id = req.request_id
+        self.num_submissions = 1
+        self.token_ids: list[int] = []  # streamed so far
+        self.lost_at: float | None = None  # its scheduler was lost; cleared by the next token
         self.queue: asyncio.Queue[Reply] = asyncio.Queue()  # bounded by max_tokens
 
     async def get(self) -> Reply:
         return await self.queue.get()
+
+    def resubmission(self) -> AddRequest:
+        """The request as a new scheduler must see it: its prompt plus what was streamed."""
+        self.wire_id = f"{self.request_id}~{self.num_submissions}"
+        self.num_submissions += 1
+        return msgspec.structs.replace(
+            self.req, request_id=self.wire_id, output_token_ids=[*self.req.output_token_ids, *self.token_ids]
+        )
+
+    def num_generated(self) -> int:
+        return len(self.req.output_token_ids) + len(self.token_ids)
 
 
 DRAINING_SCORE = 1e9
@@ -109,7 +147,8 @@ class SchedulerLink:
         self.socket = socket
         self.stats: SchedulerStats | None = None
         self.last_seen = float("-inf")
-        self.request_ids: set[str] = set()
+        self.request_ids: set[str] = set()  # wire ids of the requests it serves
+        self.abandoned: set[str] = set()  # wire ids to abort when it is heard from again
         self.next_hello = 0.0
         self.unreachable = False  # a send failed: out of rotation until it is heard from again
         # Requests sent since the last load report, which does not count them yet.
@@ -124,6 +163,9 @@ class SchedulerLink:
 
     def score(self) -> float:
         return headroom_score(self.stats, self.num_unreported, self.num_unreported_blocks)
+
+    def is_new_instance(self, stats: SchedulerStats) -> bool:
+        return self.stats is not None and stats.scheduler_id != self.stats.scheduler_id
 
     def on_sent(self, req: AddRequest) -> None:
         self.request_ids.add(req.request_id)
@@ -154,14 +196,26 @@ def is_final(reply: Reply) -> bool:
 
 
 class SchedulerClient:
-    def __init__(self, addrs: list[str], gateway_id: str | None = None) -> None:
+    def __init__(
+        self,
+        addrs: list[str],
+        gateway_id: str | None = None,
+        failover_grace_s: float = DEFAULT_FAILOVER_GRACE_S,
+        zmq_keys: str | None = None,
+    ) -> None:
         if not addrs:
             raise ValueError("at least one scheduler address is needed")
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        self.failover_grace_s = failover_grace_s
         self._ctx = zmq.asyncio.Context()
+        self._curve = zmqsec.Curve(self._ctx, zmq_keys, log)  # every scheduler is a server to us
         self.links = [SchedulerLink(a, self._socket(a)) for a in addrs]
         self._by_socket = {link.socket: link for link in self.links}
-        self._pending: dict[str, RequestHandle] = {}
+        # A closed connection is reported by each socket's monitor at once, not after a timeout.
+        self._by_monitor = {link.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED): link for link in self.links}
+        self._handles: dict[str, RequestHandle] = {}  # request id -> every live request
+        self._pending: dict[str, RequestHandle] = {}  # wire id -> those at a scheduler now
+        self._orphans: dict[str, RequestHandle] = {}  # request id -> those waiting for one
         self._tasks: list[asyncio.Task] = []
         self._next = 0  # round-robin start: where the scan for the best link begins
 
@@ -172,6 +226,7 @@ class SchedulerClient:
         s.setsockopt(zmq.RCVHWM, ZMQ_HWM)
         s.setsockopt(zmq.LINGER, ZMQ_LINGER_MS)
         s.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections: a send to a gone peer fails fast
+        self._curve.secure_client(s, addr)
         s.connect(addr)
         return s
 
@@ -182,11 +237,17 @@ class SchedulerClient:
 
     async def close(self) -> None:
         """Abort what is still running (no orphans left in the schedulers), then close."""
-        for rid in list(self._pending):
+        for rid in list(self._handles):
             self.abort(rid)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.close_sockets()
+
+    def close_sockets(self) -> None:
+        for monitor, link in self._by_monitor.items():
+            link.socket.disable_monitor()
+            monitor.close(linger=0)
         for link in self.links:
             link.socket.close(linger=ZMQ_LINGER_MS)
         self._ctx.term()
@@ -202,8 +263,14 @@ class SchedulerClient:
 
     def pick(self) -> SchedulerLink:
         """The live scheduler with the most SLO headroom (lowest `headroom_score`); among
-        equal scores, the next in round-robin order. 503 when none is reachable.
-        One pass over the links, no allocation: it runs for every request."""
+        equal scores, the next in round-robin order. 503 when none is reachable."""
+        link = self._best()
+        if link is None:
+            raise unavailable("no scheduler is reachable; retry shortly")
+        return link
+
+    def _best(self) -> SchedulerLink | None:
+        """One pass over the links, no allocation: it runs for every request."""
         now = time.monotonic()
         num_links = len(self.links)
         best, best_index, best_score = None, 0, math.inf
@@ -212,34 +279,45 @@ class SchedulerClient:
             link = self.links[i]
             if link.routable(now) and (score := link.score()) < best_score - TIE_EPS:
                 best, best_index, best_score = link, i, score
-        if best is None:
-            raise unavailable("no scheduler is reachable; retry shortly")
-        self._next = (best_index + 1) % num_links
+        if best is not None:
+            self._next = (best_index + 1) % num_links
         return best
 
     def submit(self, req: AddRequest, link: SchedulerLink) -> RequestHandle:
         """Send to `link`; if its connection is gone, it leaves the rotation and the next
         best scheduler gets the request (503 when none is left)."""
+        handle = RequestHandle(req, link)
         while not self._send(link, req):
             link.unreachable = True
             link = self.pick()
-        log.info("request_routed", scheduler=link.addr, score=round(link.score(), 4))
-        handle = RequestHandle(req.request_id, link)
-        self._pending[req.request_id] = handle
-        link.on_sent(req)
+        self._track(handle, link, req)
+        self._handles[req.request_id] = handle
         return handle
+
+    def _track(self, handle: RequestHandle, link: SchedulerLink, sent: AddRequest) -> None:
+        log.info("request_routed", request_id=handle.request_id, scheduler=link.addr, score=round(link.score(), 4))
+        handle.link = link
+        self._pending[handle.wire_id] = handle
+        link.on_sent(sent)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone, stop string hit); its later replies are dropped."""
-        handle = self._forget(request_id)
-        if handle is not None:
-            self._send(handle.link, AbortRequest(request_id=request_id))
+        handle = self._handles.get(request_id)
+        if handle is None:
+            return
+        at_scheduler = handle.wire_id in self._pending
+        self._forget(handle)
+        if at_scheduler:
+            self._send(handle.link, AbortRequest(request_id=handle.wire_id))
 
-    def _forget(self, request_id: str) -> RequestHandle | None:
-        handle = self._pending.pop(request_id, None)
-        if handle is not None:
-            handle.link.request_ids.discard(request_id)
-        return handle
+    def _forget(self, handle: RequestHandle) -> None:
+        self._handles.pop(handle.request_id, None)
+        self._orphans.pop(handle.request_id, None)
+        self._unpend(handle)
+
+    def _unpend(self, handle: RequestHandle) -> None:
+        if self._pending.pop(handle.wire_id, None) is not None:
+            handle.link.request_ids.discard(handle.wire_id)
 
     def _send(self, link: SchedulerLink, msg) -> bool:
         if send_now(link.socket, encode(msg)):
@@ -251,11 +329,26 @@ class SchedulerClient:
 
     async def _recv_loop(self) -> None:
         poller = zmq.asyncio.Poller()
-        for link in self.links:
-            poller.register(link.socket, zmq.POLLIN)
+        for socket in (*self._by_monitor, *self._by_socket):
+            poller.register(socket, zmq.POLLIN)
         while True:
-            for socket, _ in await poller.poll(timeout=int(HEARTBEAT_S * 1000)):
-                await self._drain(self._by_socket[socket])
+            ready = dict(await poller.poll(timeout=int(HEARTBEAT_S * 1000)))
+            # Closed connections first: a restarted scheduler's first report must not be
+            # taken for the lost instance's.
+            for monitor, link in self._by_monitor.items():
+                if monitor in ready:
+                    await self._on_monitor(monitor, link)
+            for socket, link in self._by_socket.items():
+                if socket in ready:
+                    await self._drain(link)
+
+    async def _on_monitor(self, monitor: zmq.asyncio.Socket, link: SchedulerLink) -> None:
+        while True:
+            try:
+                parse_monitor_message(await monitor.recv_multipart(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            self._lose(link, "its connection closed")
 
     async def _drain(self, link: SchedulerLink) -> None:
         for _ in range(MAX_RECV_PER_TICK):
@@ -273,7 +366,7 @@ class SchedulerClient:
             log.warning("bad_frame", scheduler=link.addr, error=str(e), size=len(frame))
             return
         now = time.monotonic()
-        link.on_heard(now)
+        self._on_heard(link, now)
         match msg:
             case StepOutputs(outputs=outputs):
                 for out in outputs:
@@ -281,15 +374,70 @@ class SchedulerClient:
             case RequestError(request_id=rid):
                 self._deliver(rid, msg)
             case SchedulerStats():
+                if link.is_new_instance(msg):
+                    self._lose(link, "it restarted")
                 link.on_report(msg, now)
 
-    def _deliver(self, request_id: str, reply: Reply) -> None:
-        handle = self._pending.get(request_id)
+    def _on_heard(self, link: SchedulerLink, now: float) -> None:
+        """Before anything else reaches a scheduler that was lost and answers again, it is
+        told to abort what it still runs for us: those requests live elsewhere now."""
+        link.on_heard(now)
+        for wire_id in link.abandoned:
+            self._send(link, AbortRequest(request_id=wire_id))
+        link.abandoned.clear()
+
+    def _deliver(self, wire_id: str, reply: Reply) -> None:
+        handle = self._pending.get(wire_id)
         if handle is None:
-            return  # aborted or already finished: nothing waits for it
+            return  # aborted, finished or resubmitted: nothing waits for it here
+        if isinstance(reply, RequestError) and handle.lost_at is not None and reply.type in RETRY_ELSEWHERE:
+            self._unpend(handle)  # a resubmission refused for now: try again within the grace period
+            self._orphans[handle.request_id] = handle
+            return
+        if isinstance(reply, TokenOutput):
+            handle.token_ids += reply.token_ids
+            handle.lost_at = None
+        if handle.wire_id != handle.request_id:
+            reply = msgspec.structs.replace(reply, request_id=handle.request_id)
         handle.queue.put_nowait(reply)
         if is_final(reply):
-            self._forget(request_id)
+            self._forget(handle)
+
+    # ------------------------------------------------------------ failover
+
+    def _lose(self, link: SchedulerLink, reason: str) -> None:
+        """The scheduler behind `link` is gone, or is not the instance our requests went to:
+        out of rotation until it reports again, and its requests wait for resubmission."""
+        link.stats = None
+        if not link.request_ids:
+            return
+        log.error("scheduler_lost", scheduler=link.addr, reason=reason, num_requests=len(link.request_ids))
+        now = time.monotonic()
+        for wire_id in link.request_ids:
+            handle = self._pending.pop(wire_id)
+            handle.lost_at = handle.lost_at or now
+            self._orphans[handle.request_id] = handle
+        link.abandoned |= link.request_ids
+        link.request_ids.clear()
+
+    def _resubmit_orphans(self, now: float) -> None:
+        """Oldest first, each to the best scheduler now; past the grace period, an error."""
+        for handle in list(self._orphans.values()):
+            if handle.num_generated() >= handle.req.params.max_tokens:  # only its final word was lost
+                self._forget(handle)
+                handle.queue.put_nowait(TokenOutput(handle.request_id, [], "length"))
+            elif now - handle.lost_at > self.failover_grace_s:
+                self._forget(handle)
+                message = f"its scheduler was lost and none took it back within {self.failover_grace_s:g}s"
+                handle.queue.put_nowait(RequestError(handle.request_id, message, "service_unavailable"))
+            elif (link := self._best()) is not None:
+                req = handle.resubmission()
+                if not self._send(link, req):
+                    link.unreachable = True
+                    continue
+                del self._orphans[handle.request_id]
+                self._track(handle, link, req)
+                log.warning("request_resubmitted", request_id=handle.request_id, num_tokens=len(req.output_token_ids))
 
     # ------------------------------------------------------------ heartbeat
 
@@ -299,8 +447,10 @@ class SchedulerClient:
             for link in self.links:
                 if now >= link.next_hello:
                     self._send_hello(link, now)
-                if link.request_ids and now - link.last_seen >= STALE_AFTER_S:
-                    self._fail_all(link, f"scheduler {link.addr} stopped responding")
+                if link.stats is not None and now - link.last_seen >= STALE_AFTER_S:
+                    self._lose(link, "it stopped responding")
+            if self._orphans:
+                self._resubmit_orphans(now)
             await asyncio.sleep(RETRY_HELLO_S)
 
     def _send_hello(self, link: SchedulerLink, now: float) -> None:
@@ -309,8 +459,3 @@ class SchedulerClient:
         link.next_hello = now + (HEARTBEAT_S if sent else RETRY_HELLO_S)
         if not sent and link.stats is not None:
             link.unreachable = True  # it had been heard from: its connection is gone
-
-    def _fail_all(self, link: SchedulerLink, message: str) -> None:
-        log.error("scheduler_lost", scheduler=link.addr, num_requests=len(link.request_ids))
-        for rid in list(link.request_ids):
-            self._deliver(rid, RequestError(request_id=rid, message=message, type="service_unavailable"))

@@ -16,6 +16,8 @@ from aiohttp import web
 from services.gateway.app import GatewayState, build_app
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.tokenizer import load_tokenizer
+from shared import zmqsec
+from shared.config import DEFAULT_FAILOVER_GRACE_S
 from shared.log import setup_logging
 from shared.modelfile import read_model_config, resolve_model_path
 
@@ -23,12 +25,27 @@ SHUTDOWN_GRACE_S = 1.0
 log = structlog.get_logger()
 
 
-def run(host: str, port: int, scheduler_addrs: list[str], model: str | None, api_key: str | None = None) -> None:
+def run(
+    host: str,
+    port: int,
+    scheduler_addrs: list[str],
+    model: str | None,
+    api_key: str | None = None,
+    zmq_keys: str | None = None,
+    failover_grace_s: float = DEFAULT_FAILOVER_GRACE_S,
+) -> int:
+    """Serve until a signal; 2 at once, before the tokenizer loads, when the scheduler
+    addresses need keys that are missing or unreadable."""
     setup_logging("gateway")
+    if reason := zmqsec.refusal(scheduler_addrs, zmq_keys, zmqsec.CLIENT):
+        log.error("refusing to start", service="gateway", reason=reason)
+        return 2
     try:
-        asyncio.run(serve(host, port, scheduler_addrs, model, api_key))
+        client = {"zmq_keys": zmq_keys, "failover_grace_s": failover_grace_s}
+        asyncio.run(serve(host, port, scheduler_addrs, model, api_key, client=client))
     finally:
         log.info("gateway_stopped", service="gateway")
+    return 0
 
 
 async def serve(
@@ -38,14 +55,16 @@ async def serve(
     model: str | None,
     api_key: str | None = None,
     stop: asyncio.Event | None = None,
+    client: dict | None = None,
 ) -> None:
-    """Serve until `stop` is set (by default: until SIGINT or SIGTERM)."""
+    """Serve until `stop` is set (by default: until SIGINT or SIGTERM); `client` holds the
+    `SchedulerClient` options (keys, failover grace)."""
     stop = stop or _stop_on_signals()
     structlog.contextvars.bind_contextvars(service="gateway")
     path = resolve_model_path(model)
     tokenizer = await asyncio.to_thread(load_tokenizer, path)
     config = await asyncio.to_thread(read_model_config, path)
-    state = GatewayState(SchedulerClient(scheduler_addrs), tokenizer, config, api_key)
+    state = GatewayState(SchedulerClient(scheduler_addrs, **(client or {})), tokenizer, config, api_key)
     runner = web.AppRunner(
         build_app(state), handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S, access_log=None
     )

@@ -15,6 +15,11 @@ tokens already streamed, its sampling params, SLOs and arrival time, and re-adde
 core when the next worker is ready: its KV is recomputed and it carries on. Tokens of the
 steps in flight at the crash were never streamed, so they are simply computed again; the
 worker seeds sampling per position, so outputs match an undisturbed run.
+
+A gateway that goes silent for `GATEWAY_STALE_S` (it says hello every second) is gone: its
+requests are aborted, so a crashed or restarted gateway leaves nothing running here. A
+gateway that lost this scheduler resubmits its requests elsewhere (under new ids) and,
+should this scheduler answer again, aborts the old ones itself.
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ from services.scheduler import admin
 from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
 from services.scheduler.metrics import Flight, trace_line
 from services.scheduler.recovery import NUM_STEP_SAMPLES, STEP_TIMEOUT_S, Held, resubmission, step_deadline_s
-from shared import config, protocol as p
+from shared import config, protocol as p, zmqsec
 from shared.log import setup_logging
 
 MAX_RECV_PER_TICK = 256
 MAX_ADMIN_PER_TICK = 16  # admin queries are O(live requests): few per tick
 STATS_INTERVAL_S = 1.0
 STATS_MIN_GAP_S = 0.05
+GATEWAY_STALE_S = 5.0  # a gateway not heard from this long is gone: its requests are aborted
 INVARIANT_CHECK_EVERY = 200  # steps
 DRAINING_MESSAGE = "the scheduler is draining: it admits no new requests"
 # SchedulerStats fields taken as they are from the core's stats().
@@ -72,6 +78,7 @@ def core_config(args: argparse.Namespace) -> SchedulerConfig:
         tbt_slo=args.tbt_slo,
         xfer_budget=args.xfer_budget,
         max_waiting=args.max_waiting,
+        max_waiting_tokens=args.max_waiting_tokens,
     )
 
 
@@ -87,11 +94,13 @@ class SchedulerService:
         admin_bind: str | None = None,
         admin_token: str | None = None,
         step_timeout_s: float = STEP_TIMEOUT_S,
+        zmq_keys: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.log = log
         self.id = f"sched-{uuid.uuid4().hex[:8]}"
         self.ctx = zmq.asyncio.Context()
+        self.curve = zmqsec.Curve(self.ctx, zmq_keys, log)  # every bind here is a server
         self.front = self._socket(zmq.ROUTER, bind)
         self.back = self._socket(zmq.DEALER, worker_bind)
         self.admin = self._admin_socket(admin_bind)
@@ -101,7 +110,7 @@ class SchedulerService:
         self.core: SchedulerCore | None = None
         self.worker: p.WorkerReady | None = None
         self.owner: dict[str, bytes] = {}  # request_id -> gateway identity
-        self.gateways: set[bytes] = set()
+        self.gateways: dict[bytes, float] = {}  # identity -> when it was last heard from
         self.held: list[Held] = []  # requests waiting for a ready worker, oldest first
         self.in_flight: deque[Flight] = deque()  # plans sent and not yet reported, oldest first
         self.sent_at: deque[tuple[float, int]] = deque()  # (monotonic send time, tokens) per flight
@@ -134,6 +143,7 @@ class SchedulerService:
         sock.setsockopt(zmq.SNDHWM, config.ZMQ_HWM)
         sock.setsockopt(zmq.RCVHWM, config.ZMQ_HWM)
         sock.setsockopt(zmq.LINGER, config.ZMQ_LINGER_MS)
+        self.curve.secure_server(sock, addr)
         sock.bind(addr)
         return sock
 
@@ -163,6 +173,7 @@ class SchedulerService:
             if self.admin in events:
                 await self._drain(self.admin, self._on_admin, MAX_ADMIN_PER_TICK)
             self._check_worker()
+            self._forget_silent_gateways()
             self._maybe_step()
             self._maybe_send_stats()
         self.close()
@@ -187,7 +198,7 @@ class SchedulerService:
         except msgspec.DecodeError as e:
             self.log.warning("undecodable gateway message", error=str(e))
             return
-        self.gateways.add(identity)
+        self.gateways[identity] = time.monotonic()
         match msg:
             case p.GatewayHello():
                 self._send_stats_to(identity)
@@ -214,12 +225,25 @@ class SchedulerService:
             self._reply(identity, p.StepOutputs([out or p.TokenOutput(rid, [], "abort")]))
         return out is not None or bool(told)
 
+    def _forget_silent_gateways(self) -> None:
+        now = time.monotonic()
+        for identity in [g for g, seen in self.gateways.items() if now - seen > GATEWAY_STALE_S]:
+            del self.gateways[identity]
+            orphans = [rid for rid, owner in self.owner.items() if owner == identity]
+            orphans += [h.req.request_id for h in self.held if h.identity == identity]
+            self.log.warning("gateway gone; aborting its requests", gateway=identity.decode(errors="replace"),
+                             num_requests=len(orphans))
+            for rid in orphans:
+                self.abort(rid)
+
     def _hold(self, identity: bytes, req: p.AddRequest) -> None:
-        """Keep a new request until a worker is ready, within the same `max_waiting` bound."""
-        limit = self.cfg.max_waiting
-        num_new = sum(not h.resumed for h in self.held)
-        if limit and num_new >= limit:
-            self._refuse(identity, req.request_id, f"{num_new} requests are waiting; try again later", "overloaded")
+        """Keep a new request until a worker is ready, within the same admission bounds as
+        the core's waiting queue (resumed requests were admitted already: they do not count)."""
+        new = [h.req for h in self.held if not h.resumed]
+        num_tokens = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in new)
+        own = len(req.prompt_token_ids) + len(req.output_token_ids)
+        if refusal := self.cfg.admission_refusal(len(new), num_tokens, own):
+            self._refuse(identity, req.request_id, refusal, "overloaded")
             return
         self.held.append(Held(identity, req, time.monotonic()))
 
@@ -282,9 +306,8 @@ class SchedulerService:
             self._lose_worker("a new worker connected")
         self.worker = ready
         self.observer.block_bytes = ready.block_bytes
-        # The worker owns the KV layout, so its block size wins. Resumed requests were
-        # already admitted: `max_waiting` applies only once they are back in.
-        cfg = dataclasses.replace(self.cfg, block_size=ready.block_size, max_waiting=0)
+        # The worker owns the KV layout, so its block size wins.
+        cfg = dataclasses.replace(self.cfg, block_size=ready.block_size)
         self.core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len)
         self.step_times.clear()
         self.log.info(
@@ -299,7 +322,6 @@ class SchedulerService:
         for h in held:
             if h.resumed:
                 self._resume(h)
-        cfg.max_waiting = self.cfg.max_waiting
         for h in held:
             if not h.resumed:
                 self._add(h.identity, h.req, h.arrival)
@@ -310,7 +332,7 @@ class SchedulerService:
         The core takes the arrival as its last-token time too, so a resumed request that
         has emitted tokens looks as late as it can be: LVF puts it first after the pause."""
         try:
-            self.core.add_request(h.req, h.arrival)
+            self.core.add_request(h.req, h.arrival, admitted=True)
         except ValueError as e:  # the new worker is smaller than the old one
             self.owner.pop(h.req.request_id, None)
             self._refuse(h.identity, h.req.request_id, str(e), "internal_error")
@@ -445,11 +467,15 @@ class SchedulerService:
         for sock in (self.front, self.back, self.admin):
             if sock is not None:
                 sock.close()
+        self.curve.close()
         self.ctx.term()
 
 
 def run(args: argparse.Namespace) -> int:
     log = setup_logging("scheduler", args.log_level)
+    if reason := zmqsec.refusal([args.bind, args.worker_bind, args.admin_bind], args.zmq_keys, zmqsec.SERVER):
+        log.error("refusing to start", reason=reason)
+        return 2
     service = SchedulerService(
         core_config(args),
         args.bind,
@@ -460,6 +486,7 @@ def run(args: argparse.Namespace) -> int:
         admin_bind=args.admin_bind,
         admin_token=args.admin_token or os.environ.get(admin.TOKEN_ENV) or None,
         step_timeout_s=args.step_timeout,
+        zmq_keys=args.zmq_keys,
     )
     metrics_server = service.observer.metrics.serve(args.metrics_host, args.metrics_port, log)
 

@@ -118,6 +118,9 @@ class ModelRunner:
         for rid in request_ids:
             self._requests.pop(rid, None)
 
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 

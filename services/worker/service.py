@@ -2,6 +2,11 @@
 
 It owns the weights, both KV pools and the transfer engine, and decides nothing. The
 socket loop stays responsive while a step computes: the step runs on one executor thread.
+
+Every connection to a scheduler starts from nothing: when a handshake succeeds (the first
+one, or a restarted scheduler's), the worker finishes the plans it already has, drops
+every request it knows, and announces itself with `WorkerReady`. The scheduler's fresh
+core counts all blocks free, so the KV pools need no clearing.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ import torch
 import zmq
 import zmq.asyncio
 
-from services.worker.kv_pool import KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
 from services.worker import tp
+from services.worker.kv_pool import KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
 from services.worker.runner import ModelRunner, load_model
 from services.worker.tp import TPGroup
 from services.worker.transfer import Transfer, TransferEngine
-from shared import config, protocol as p
+from shared import config, protocol as p, zmqsec
 from shared.log import setup_logging
 from shared.modelfile import read_model_config, resolve_model_path
+
+RESET = object()  # the step thread's marker: a (new) scheduler connected
+RESET_STEP = -1  # the reset plan's step id: one before any scheduler's first
 
 
 class StepExecutor:
@@ -65,6 +73,10 @@ class StepExecutor:
         except Exception as e:
             log.warning("prefetch skipped", step_id=plan.step_id, error=str(e))
 
+    def reset_plan(self) -> p.Plan:
+        """A plan that computes nothing and drops every request (on every rank)."""
+        return p.Plan(RESET_STEP, drop=self.runner.request_ids())
+
     def __call__(self, plan: p.Plan, plan_wait_s: float) -> p.StepResult:
         t0 = time.perf_counter()
         self.runner.drop(plan.drop)
@@ -98,24 +110,34 @@ class StepExecutor:
 
 
 class WorkerService:
-    def __init__(self, connect: str, ready: p.WorkerReady, execute: StepExecutor, log) -> None:
+    def __init__(
+        self, connect: str, ready: p.WorkerReady, execute: StepExecutor, log, zmq_keys: str | None = None
+    ) -> None:
         self.ready = ready
         self.execute = execute
         self.log = log
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, config.ZMQ_LINGER_MS)
+        zmqsec.Curve(self.ctx, zmq_keys, log).secure_client(self.sock, connect)
+        # Watched before connecting: the first handshake must not be missed.
+        self.handshakes = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sock.connect(connect)
         self.stopping = False
 
     async def run(self) -> None:
         """Receive plans as they come (the scheduler sends step t+1 while t computes) and
         hand them to the step thread, which executes them in order and posts each result
-        back to this loop."""
+        back to this loop. A successful handshake queues a reset behind the plans already
+        received (they came first: a new connection follows the old one's close by the
+        reconnect interval)."""
         loop = asyncio.get_running_loop()
-        await self.sock.send(p.encode(self.ready))
+        monitor = self.handshakes
+        poller = zmq.asyncio.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         self.log.info("worker up", hbm_blocks=self.ready.num_hbm_blocks, device=self.ready.device)
-        plans: queue.SimpleQueue[tuple[p.Plan, float] | None] = queue.SimpleQueue()
+        plans: queue.SimpleQueue = queue.SimpleQueue()
         results: asyncio.Queue = asyncio.Queue()
         step_thread = threading.Thread(
             target=self._execute_in_order, args=(plans, loop, results), name="step", daemon=True
@@ -123,9 +145,26 @@ class WorkerService:
         step_thread.start()
         sender = asyncio.create_task(self._send_results(results))
         while not self.stopping and step_thread.is_alive():
-            if not await self.sock.poll(100, zmq.POLLIN):
-                continue
-            payload = await self.sock.recv()
+            events = dict(await poller.poll(100))
+            if self.sock in events:
+                await self._receive_plans(plans)
+            if monitor in events:
+                await monitor.recv_multipart()
+                self.log.info("scheduler connected; resetting")
+                plans.put((RESET, time.perf_counter()))
+        plans.put(None)
+        sender.cancel()
+        self.sock.disable_monitor()
+        monitor.close(linger=0)
+        self.sock.close()
+        self.ctx.term()
+
+    async def _receive_plans(self, plans: queue.SimpleQueue) -> None:
+        while True:
+            try:
+                payload = await self.sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
             try:
                 plan = p.worker_msg_decoder.decode(payload)
             except msgspec.DecodeError as e:
@@ -133,16 +172,16 @@ class WorkerService:
                 continue
             plans.put((plan, time.perf_counter()))
             self.execute.try_prefetch(plan, self.log)
-        plans.put(None)
-        sender.cancel()
-        self.sock.close()
-        self.ctx.term()
 
     def _execute_in_order(self, plans: queue.SimpleQueue, loop, results: asyncio.Queue) -> None:
         """The step thread: one plan after another, no event-loop hop between them."""
         idle_since = time.perf_counter()
         while (item := plans.get()) is not None:
             plan, arrived = item
+            if plan is RESET:
+                self.execute(self.execute.reset_plan(), 0.0)
+                loop.call_soon_threadsafe(results.put_nowait, self.ready)
+                continue
             try:
                 reply = self.execute(plan, max(0.0, arrived - idle_since))
             except Exception as e:  # a failed step is reported, not fatal to the loop
@@ -195,6 +234,9 @@ def build_worker(
 
 def run(args: argparse.Namespace) -> int:
     log = setup_logging("worker", args.log_level)
+    if reason := zmqsec.refusal([args.connect], args.zmq_keys, zmqsec.CLIENT):
+        log.error("refusing to start", reason=reason)  # before the model loads: seconds, not minutes
+        return 2
     device = resolve_device(args.device)
     num_ranks = args.tp
     t0 = time.perf_counter()
@@ -212,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         execute = StepExecutor(runner, engine)
         if group is not None:
             execute = tp.DriverExecutor(execute, group, ranks)
-        service = WorkerService(args.connect, ready, execute, log)
+        service = WorkerService(args.connect, ready, execute, log, args.zmq_keys)
 
         async def main() -> None:
             loop = asyncio.get_running_loop()

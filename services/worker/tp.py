@@ -238,6 +238,9 @@ class DriverExecutor:
     def try_prefetch(self, plan, log) -> None:
         self.inner.try_prefetch(plan, log)
 
+    def reset_plan(self):
+        return self.inner.reset_plan()
+
     def __call__(self, plan, plan_wait_s: float):
         from shared.protocol import encode
 

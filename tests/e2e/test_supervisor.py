@@ -1,5 +1,5 @@
-"""`superinfer serve` as an operator sees it: it stops cleanly, a dead worker is restarted,
-and a dead scheduler is not hidden."""
+"""`superinfer serve` as an operator sees it: it stops cleanly, and a dead worker or
+gateway is restarted (the scheduler's restart is tests/reliability/test_live_faults.py)."""
 
 from __future__ import annotations
 
@@ -55,15 +55,31 @@ def test_dead_worker_is_restarted_and_the_server_serves_again(tmp_path):
         assert server.stop() == 0
 
 
-def test_dead_scheduler_is_reported_and_the_rest_shut_down(tmp_path):
+def test_dead_gateway_is_restarted_and_leaves_no_orphans(tmp_path):
+    """A long request is running when its gateway is killed: the new gateway serves, and
+    the scheduler aborts the dead gateway's request once that gateway stays silent."""
     server = start_server(tmp_path)
-    kids = children_of(server.proc.pid)
-    scheduler = next(k for k in kids if role_of(k) == "scheduler")
-    os.kill(scheduler, signal.SIGKILL)
-    rc = server.proc.wait(timeout=15)
-    assert rc != 0
-    assert "child exited; shutting down" in server.log_tail()
-    assert not any(alive(k) for k in kids)
+    try:
+        kids = {role_of(k): k for k in children_of(server.proc.pid)}
+        body = {"model": server.model, "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(
+            server.base_url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        stream = urllib.request.urlopen(req, timeout=30)
+        stream.readline()  # tokens are flowing
+        assert server.scheduler_stats()["num_running"] == 1
+        os.kill(kids["gateway"], signal.SIGKILL)
+        stream.close()
+        assert wait_for(lambda: "restarting it" in server.log_tail(), timeout=10), server.log_tail()
+        assert wait_for(server.healthy, timeout=60), server.log_tail()
+        assert _complete(server)["usage"]["completion_tokens"] == 4, server.log_tail()
+        assert wait_for(lambda: server.scheduler_stats()["num_running"] == 0, timeout=15), server.log_tail()
+        assert "gateway gone; aborting its requests" in server.log_tail(200)
+        now = {role_of(k): k for k in children_of(server.proc.pid)}
+        assert now["gateway"] != kids["gateway"]
+        assert (now["worker"], now["scheduler"]) == (kids["worker"], kids["scheduler"])
+    finally:
+        assert server.stop() == 0
 
 
 def _complete(server) -> dict:

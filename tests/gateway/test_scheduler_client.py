@@ -2,13 +2,16 @@
 
 The real scheduler never sends a malformed frame or falls silent on purpose, so these
 paths are driven here by hand: hello and heartbeat, routing replies to requests, surviving
-garbage, aborting, and failing the requests of a scheduler that went quiet.
+garbage, aborting, and failover: the requests of a scheduler that closed, restarted or
+went quiet are resubmitted (prompt plus streamed tokens) to the next one that reports in,
+or fail once the grace period is over.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,17 +71,22 @@ def add(rid: str) -> AddRequest:
     return AddRequest(request_id=rid, prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=3))
 
 
-async def connected(addr: str) -> tuple[Peer, SchedulerClient]:
-    peer, client = Peer(addr), SchedulerClient([addr], gateway_id="gw-test")
+async def connected(addr: str, **kwargs) -> tuple[Peer, SchedulerClient]:
+    peer, client = Peer(addr), SchedulerClient([addr], gateway_id="gw-test", **kwargs)
     await client.start()
+    await introduce(peer, client)
+    return peer, client
+
+
+async def introduce(peer: Peer, client: SchedulerClient, stats: SchedulerStats = STATS) -> None:
+    """The peer answers the gateway's hello with a load report; the link becomes routable."""
     hello = await peer.recv_until(GatewayHello)
     assert hello.gateway_id == "gw-test" and peer.gateway == b"gw-test"
-    await peer.send(STATS)
+    await peer.send(stats)
     for _ in range(100):
         if client.live_links():
             break
         await asyncio.sleep(0.01)
-    return peer, client
 
 
 def run(coro):
@@ -139,19 +147,97 @@ def test_close_aborts_requests_still_running(tmp_path):
     run(go())
 
 
-def test_silent_scheduler_fails_its_requests(tmp_path, monkeypatch):
+def test_silent_scheduler_fails_its_requests_after_the_grace_period(tmp_path, monkeypatch):
+    monkeypatch.setattr(scheduler_client, "STALE_AFTER_S", 0.5)
+
+    async def go():
+        peer, client = await connected(f"ipc://{tmp_path}/s.sock", failover_grace_s=0.5)
+        try:
+            h = client.submit(add("r1"), client.pick())
+            err = await asyncio.wait_for(h.get(), 5)  # the peer never answers
+            assert isinstance(err, RequestError) and err.type == "service_unavailable"
+            assert "within 0.5s" in err.message
+            assert client.live_links() == []
+            with pytest.raises(ApiError) as e:
+                client.pick()
+            assert e.value.status == 503 and e.value.headers()["Retry-After"]
+        finally:
+            await client.close()
+            peer.close()
+
+    run(go())
+
+
+def test_restarted_scheduler_gets_the_request_back_with_its_streamed_tokens(tmp_path):
+    """The scheduler process dies mid-stream and a new one binds the same address: the
+    request goes to it as prompt + the tokens already streamed, under a new wire id, and
+    the client's handle simply carries on."""
+    addr = f"ipc://{tmp_path}/s.sock"
+
+    async def go():
+        peer, client = await connected(addr)
+        try:
+            h = client.submit(add("r1"), client.pick())
+            await peer.recv_until(AddRequest)
+            await peer.send(StepOutputs(outputs=[TokenOutput("r1", [5])]))
+            assert await h.get() == TokenOutput("r1", [5])
+            peer.close()  # the connection closes: the monitor reports it at once
+            with pytest.raises(ApiError):  # new requests: 503 while no scheduler is there
+                for _ in range(50):
+                    client.pick()
+                    await asyncio.sleep(0.02)
+            peer = Peer(addr)
+            await introduce(peer, client, msgspec.structs.replace(STATS, scheduler_id="s1"))
+            again = await peer.recv_until(AddRequest)
+            assert again.request_id == "r1~1" and again.prompt_token_ids == [1, 2]
+            assert again.output_token_ids == [5] and again.params.max_tokens == 3
+            await peer.send(StepOutputs(outputs=[TokenOutput("r1", [7]), TokenOutput("r1~1", [6])]))
+            await peer.send(StepOutputs(outputs=[TokenOutput("r1~1", [8], "length")]))
+            assert [await h.get(), await h.get()] == [TokenOutput("r1", [6]), TokenOutput("r1", [8], "length")]
+            assert h.queue.empty()  # the old wire id's late output was dropped
+        finally:
+            await client.close()
+            peer.close()
+
+    run(go())
+
+
+def test_scheduler_back_from_silence_aborts_the_lost_attempt_first(tmp_path, monkeypatch):
+    """A scheduler that went quiet and answers again still runs the old attempt: it is told
+    to abort that before it gets the resubmission; a refusal for now is retried."""
     monkeypatch.setattr(scheduler_client, "STALE_AFTER_S", 0.5)
 
     async def go():
         peer, client = await connected(f"ipc://{tmp_path}/s.sock")
         try:
             h = client.submit(add("r1"), client.pick())
-            err = await asyncio.wait_for(h.get(), 5)  # the peer never answers
-            assert isinstance(err, RequestError) and err.type == "service_unavailable"
+            await peer.recv_until(AddRequest)
+            await asyncio.sleep(0.8)  # silent past STALE_AFTER_S: lost
             assert client.live_links() == []
-            with pytest.raises(ApiError) as e:
-                client.pick()
-            assert e.value.status == 503 and e.value.headers()["Retry-After"]
+            await peer.send(STATS)
+            assert (await peer.recv_until(AbortRequest)).request_id == "r1"
+            assert (await peer.recv_until(AddRequest)).request_id == "r1~1"
+            await peer.send(RequestError("r1~1", "busy", "overloaded"))
+            assert (await peer.recv_until(AddRequest)).request_id == "r1~2"
+            await peer.send(StepOutputs(outputs=[TokenOutput("r1~2", [4], "stop")]))
+            assert await h.get() == TokenOutput("r1", [4], "stop")
+        finally:
+            await client.close()
+            peer.close()
+
+    run(go())
+
+
+def test_a_lost_final_output_ends_the_request_at_max_tokens(tmp_path):
+    async def go():
+        peer, client = await connected(f"ipc://{tmp_path}/s.sock")
+        try:
+            h = client.submit(add("r1"), client.pick())
+            await peer.recv_until(AddRequest)
+            await peer.send(StepOutputs(outputs=[TokenOutput("r1", [5, 6, 7])]))  # all 3 tokens
+            assert await h.get() == TokenOutput("r1", [5, 6, 7])
+            peer.close()
+            assert await asyncio.wait_for(h.get(), 5) == TokenOutput("r1", [], "length")
         finally:
             await client.close()
             peer.close()
@@ -181,5 +267,4 @@ def test_any_frame_is_survived(frame):
     try:
         client.on_frame(client.links[0], frame)
     finally:
-        client.links[0].socket.close(linger=0)
-        client._ctx.term()
+        client.close_sockets()

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import openai
 
+from bench.live import children_of
+
 MAX_TOKENS = 48
 PROMPTS = [
     "Write a short poem about the ocean.",
@@ -20,18 +22,6 @@ PROMPTS = [
     "Write about the first snow of winter.",
     "Explain why rivers bend.",
 ]
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def child_by_role(pid: int, role: str) -> int | None:

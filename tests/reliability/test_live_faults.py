@@ -1,5 +1,5 @@
-"""Faults on a live `superinfer serve` (CPU, bundled model, loopback): SIGKILL the worker
-under load, and flood a server that admits one waiting request."""
+"""Faults on a live `superinfer serve` (CPU, bundled model, loopback): SIGKILL the worker or
+the scheduler under load, and flood a server that admits one waiting request."""
 
 from __future__ import annotations
 
@@ -42,6 +42,59 @@ def test_sigkilled_worker_is_restarted_and_every_request_completes_identically(t
         new_worker = child_by_role(server.proc.pid, "worker")
         assert new_worker not in (None, worker), server.log_tail()
         assert "restarting it" in server.log_tail(200)
+        assert asyncio.run(stream_one(client_for(server), server.model, PROMPTS[0], [])) == reference[0]
+        assert wait_for(lambda: server.scheduler_stats()["num_running"] == 0)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_sigkilled_scheduler_is_restarted_and_streams_continue_identically(tmp_path):
+    """The gateway holds each stream's prompt and tokens, answers new requests 503 while no
+    scheduler is there, and resubmits the streams to the restarted one: every client gets
+    the same greedy text as in an undisturbed run."""
+    server = start_server(tmp_path)
+    try:
+        client = client_for(server)
+        scheduler = child_by_role(server.proc.pid, "scheduler")
+        assert scheduler is not None, server.log_tail()
+
+        async def probe(session) -> tuple[int, str | None]:
+            body = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+            async with session.post(server.base_url + "/v1/completions", json=body) as resp:
+                return resp.status, resp.headers.get("Retry-After")
+
+        async def new_requests_meanwhile(session) -> list[tuple[int, str | None]]:
+            """A new request every 50 ms for 3 s, each on its own (one may wait a while)."""
+            probes = []
+            for _ in range(60):
+                probes.append(asyncio.create_task(probe(session)))
+                await asyncio.sleep(0.05)
+            return await asyncio.gather(*probes)
+
+        async def scenario():
+            reference = await stream_all(client, server.model, [])
+            token_times: list[float] = []
+            run = asyncio.create_task(stream_all(client, server.model, token_times))
+            while len(token_times) < len(PROMPTS) * 12 and not run.done():
+                await asyncio.sleep(0.01)
+            killed_at = time.monotonic()
+            os.kill(scheduler, signal.SIGKILL)
+            async with aiohttp.ClientSession() as session:
+                probes = await new_requests_meanwhile(session)
+            disturbed = await run
+            after = [t for t in token_times if t > killed_at + 0.05]
+            return reference, disturbed, killed_at, after, probes
+
+        reference, disturbed, killed_at, after, probes = asyncio.run(scenario())
+        refused = [p for p in probes if p[0] == 503]
+        assert refused and all(int(retry) >= 1 for _, retry in refused), probes
+        assert {status for status, _ in probes} <= {200, 503}, probes
+        assert after, "no token after the kill: it came too late to test recovery"
+        print(f"failover: kill -> first token from the restarted scheduler {after[0] - killed_at:.2f}s")
+        assert disturbed == reference
+        assert child_by_role(server.proc.pid, "scheduler") not in (None, scheduler), server.log_tail()
+        assert "request_resubmitted" in server.log_tail(400)
         assert asyncio.run(stream_one(client_for(server), server.model, PROMPTS[0], [])) == reference[0]
         assert wait_for(lambda: server.scheduler_stats()["num_running"] == 0)
     finally:

@@ -52,9 +52,7 @@ class Peers:
         self.client.on_frame(self.client.links[i], encode(s))
 
     def close(self) -> None:
-        for link in self.client.links:
-            link.socket.close(linger=0)
-        self.client._ctx.term()
+        self.client.close_sockets()
         for sock in self.routers:
             sock.close(linger=0)
         self.ctx.term()
@@ -242,9 +240,7 @@ def test_pick_returns_a_routable_link_with_the_lowest_score(loads):
         assert picked in live
         assert picked.score() <= min(link.score() for link in live) + scheduler_client.TIE_EPS
     finally:
-        for link in client.links:
-            link.socket.close(linger=0)
-        client._ctx.term()
+        client.close_sockets()
 
 
 def test_pick_is_cheap(tmp_path):
@@ -260,6 +256,4 @@ def test_pick_is_cheap(tmp_path):
         per_pick_us = (time.perf_counter() - t0) / num_picks * 1e6
         assert per_pick_us < 500, per_pick_us  # loose: a shared CI machine; typically ~30 us
     finally:
-        for link in client.links:
-            link.socket.close(linger=0)
-        client._ctx.term()
+        client.close_sockets()

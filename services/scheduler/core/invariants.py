@@ -66,6 +66,8 @@ def _check_sets(core: SchedulerCore) -> None:
     assert all(r.status is Status.RUNNING for r in core.running.values()), "non-running request in the running set"
     demand = sum(blocks_for(r.num_known, core.cfg.block_size) for r in core.requests.values())
     assert demand == core.num_demand_blocks, f"demand {core.num_demand_blocks} != {demand}"
+    waiting = sum(r.num_tokens for r in core.q_waiting.members())
+    assert waiting == core.num_waiting_tokens, f"waiting tokens {core.num_waiting_tokens} != {waiting}"
 
 
 def _check_step(core: SchedulerCore) -> None:

@@ -59,6 +59,7 @@ class Request:
     preempted_step: int = -1
     swap_in_step: int = -1  # its DRAM blocks are read and HBM blocks written in that step
     demand_blocks: int = 0  # blocks_for(num_known), summed by the core
+    num_waiting_tokens: int = 0  # num_tokens while in the core's waiting queue, summed by the core
     finish_reason: str | None = None
 
     @property

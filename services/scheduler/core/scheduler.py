@@ -22,7 +22,8 @@ from .vlt import lag_key
 
 
 class Overloaded(ValueError):
-    """The waiting queue is full (`max_waiting`); the request may be retried later."""
+    """The waiting queue is full (`max_waiting` requests or `max_waiting_tokens` tokens);
+    the request may be retried later."""
 
 
 class SchedulerCore:
@@ -34,6 +35,7 @@ class SchedulerCore:
         self.running: dict[str, Request] = {}
         # Paused requests, twice: by arrival (FCFS family) and by VLT lag key (LVF).
         self.q_waiting = RequestHeap()
+        self.num_waiting_tokens = 0  # known tokens of the requests in q_waiting
         self.q_rotary = RequestHeap()
         self.q_first = RequestHeap()  # no token emitted yet
         self.q_emitted = RequestHeap()
@@ -51,8 +53,10 @@ class SchedulerCore:
 
     # ------------------------------------------------------------ requests in
 
-    def add_request(self, req: AddRequest, now: float) -> None:
-        self._validate(req)
+    def add_request(self, req: AddRequest, now: float, admitted: bool = False) -> None:
+        """`admitted`: the request was let in before (resumed after a worker loss), so the
+        waiting-queue bounds do not apply to it."""
+        self._validate(req, admitted)
         slo = req.slo
         r = Request(
             request_id=req.request_id,
@@ -70,7 +74,7 @@ class SchedulerCore:
         self._track_demand(r)
         self._enqueue(r)
 
-    def _validate(self, req: AddRequest) -> None:
+    def _validate(self, req: AddRequest, admitted: bool) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request {req.request_id!r} is already running")
         if not req.prompt_token_ids:
@@ -88,9 +92,11 @@ class SchedulerCore:
             )
         if blocks_for(total, self.cfg.block_size) > self.memory.hbm.num_blocks:
             raise ValueError(f"prompt + max_tokens ({total} tokens) exceeds the whole KV-cache")
-        num_waiting = len(self.q_waiting)
-        if self.cfg.max_waiting and num_waiting >= self.cfg.max_waiting:
-            raise Overloaded(f"{num_waiting} requests are waiting; try again later")
+        if admitted:
+            return
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        if refusal := self.cfg.admission_refusal(len(self.q_waiting), self.num_waiting_tokens, num_tokens):
+            raise Overloaded(refusal)
 
     def abort_request(self, request_id: str, now: float) -> TokenOutput | None:
         req = self.requests.get(request_id)
@@ -231,10 +237,17 @@ class SchedulerCore:
 
     def _enqueue(self, req: Request) -> None:
         self._dequeue(req)
-        (self.q_rotary if req.status is Status.ROTARY else self.q_waiting).push(req, req.seq)
+        if req.status is Status.ROTARY:
+            self.q_rotary.push(req, req.seq)
+        else:
+            self.q_waiting.push(req, req.seq)
+            req.num_waiting_tokens = req.num_tokens
+            self.num_waiting_tokens += req.num_tokens
         (self.q_emitted if req.has_emitted else self.q_first).push(req, lag_key(req, self.cfg))
 
     def _dequeue(self, req: Request) -> None:
+        self.num_waiting_tokens -= req.num_waiting_tokens
+        req.num_waiting_tokens = 0
         for q in (self.q_waiting, self.q_rotary, self.q_first, self.q_emitted):
             q.remove(req)
 
