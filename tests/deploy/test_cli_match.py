@@ -55,8 +55,9 @@ def container_env(container: dict, docs: list[dict]) -> dict[str, str]:
     return env
 
 
-def container_args(container: dict, docs: list[dict]) -> argparse.Namespace:
-    """The container's command line as Kubernetes runs it: image entry point + args."""
+def container_argv(container: dict, docs: list[dict]) -> list[str]:
+    """The arguments the image's entry point (`superinfer`) gets, `$(VAR)` expanded from the
+    container's environment as Kubernetes does."""
     assert container.get("command", ["superinfer"]) == ["superinfer"], container["name"]
     env = container_env(container, docs)
 
@@ -65,7 +66,12 @@ def container_args(container: dict, docs: list[dict]) -> argparse.Namespace:
         assert not unresolved, f"{container['name']}: {unresolved} not in the container's environment"
         return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
 
-    return parse([expand(a) for a in container["args"]])
+    return [expand(a) for a in container["args"]]
+
+
+def container_args(container: dict, docs: list[dict]) -> argparse.Namespace:
+    """The container's command line as Kubernetes runs it: image entry point + args."""
+    return parse(container_argv(container, docs))
 
 
 def port_number(container: dict, port: int | str) -> int:
