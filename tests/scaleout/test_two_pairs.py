@@ -1,6 +1,7 @@
 """Two scheduler/worker pairs behind one gateway, each service its own process on loopback
-tcp://. Load reaches both pairs, less of it the one with the small HBM pool; after one pair
-is killed (SIGKILL, both processes) new requests are served by the other at once."""
+tcp://. Load reaches both pairs, less of it the one with the small HBM pool; when one pair
+is killed (SIGKILL, both processes) its requests in flight are resubmitted to the other and
+end with the same greedy text, and new requests are served by the other at once."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ NUM_REQUESTS = 24
 CONCURRENCY = 6
 MAX_TOKENS = 8
 FAILOVER_S = 5.0  # the first request after the kill is served within this
+LONG_TOKENS = 48  # in flight long enough to be cut by the kill
 
 
-def completion(base_url: str, n: int) -> tuple[int, dict]:
+def completion(base_url: str, n: int, max_tokens: int = MAX_TOKENS) -> tuple[int, dict]:
     body = {
         "prompt": f"Request {n}: list three facts about the number {n}, one per line, in plain words.",
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
     }
@@ -58,16 +60,30 @@ def test_load_skews_away_from_the_small_pool_and_survives_a_killed_pair(tmp_path
         # The pairs' own step traces agree: both computed tokens, the small one fewer.
         assert 0 < small.num_tokens() < big.num_tokens(), (small.num_tokens(), big.num_tokens())
 
-        big.kill()
-        killed_at = time.monotonic()
-        status, body = completion(base_url, 100)
-        first_served_s = time.monotonic() - killed_at
+        # Requests in flight on both pairs when the big one dies; a new one right after.
+        long_ids = range(200, 200 + CONCURRENCY)
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            running = [pool.submit(completion, base_url, n, LONG_TOKENS) for n in long_ids]
+            tokens_before = big.num_tokens()
+            assert wait_until(lambda: big.num_tokens() > tokens_before + 2 * CONCURRENCY, 60, procs)
+            big.kill()
+            killed_at = time.monotonic()
+            status, body = completion(base_url, 100)
+            first_served_s = time.monotonic() - killed_at
+            cut = [f.result() for f in running]
         assert status == 200, body
         assert first_served_s < FAILOVER_S, first_served_s
+        assert [status for status, _ in cut] == [200] * CONCURRENCY, cut
+        resubmitted = gateway.log_events("request_resubmitted")
+        assert resubmitted, "no request was in flight on the big pair"
+        # The same requests served by the small pair alone: the same greedy text.
+        alone = [completion(base_url, n, LONG_TOKENS) for n in long_ids]
+        assert [b["choices"][0]["text"] for _, b in cut] == [b["choices"][0]["text"] for _, b in alone]
+        assert set(routed(gateway) - counts) == {small.addr, big.addr}  # big: before the kill only
+        counts = routed(gateway)
         later = [completion(base_url, 101 + n) for n in range(3)]
         assert [s for s, _ in later] == [200] * 3, later
-        after = routed(gateway) - counts
-        assert after == Counter({small.addr: 4}), after
+        assert routed(gateway) - counts == Counter({small.addr: 3})
         # The dead scheduler has left /health (heartbeat timeout at the latest).
         assert wait_until(lambda: len(health(base_url).get("schedulers", [])) == 1, 10), health(base_url)
         print(f"routed {dict(counts)}; after kill: first request served in {first_served_s:.2f}s")
