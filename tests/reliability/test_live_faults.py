@@ -15,6 +15,23 @@ from bench.live import start_server, wait_for
 from tests.reliability.live import PROMPTS, child_by_role, client_for, stream_all, stream_one
 
 
+async def kill_under_load(client, model: str, pid: int, meanwhile=None):
+    """Stream PROMPTS undisturbed (the reference), then again, SIGKILLing `pid` once a
+    quarter of the tokens have arrived; `meanwhile()` runs right after the kill. Returns
+    (reference, disturbed, kill time, token times after the kill, meanwhile's result)."""
+    reference = await stream_all(client, model, [])
+    token_times: list[float] = []
+    run = asyncio.create_task(stream_all(client, model, token_times))
+    while len(token_times) < len(PROMPTS) * 12 and not run.done():
+        await asyncio.sleep(0.01)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    during = await meanwhile() if meanwhile else None
+    disturbed = await run
+    after = [t for t in token_times if t > killed_at + 0.05]
+    return reference, disturbed, killed_at, after, during
+
+
 @pytest.mark.slow
 def test_sigkilled_worker_is_restarted_and_every_request_completes_identically(tmp_path):
     server = start_server(tmp_path)
@@ -23,19 +40,7 @@ def test_sigkilled_worker_is_restarted_and_every_request_completes_identically(t
         worker = child_by_role(server.proc.pid, "worker")
         assert worker is not None, server.log_tail()
 
-        async def scenario():
-            reference = await stream_all(client, server.model, [])
-            token_times: list[float] = []
-            run = asyncio.create_task(stream_all(client, server.model, token_times))
-            while len(token_times) < len(PROMPTS) * 12 and not run.done():
-                await asyncio.sleep(0.01)
-            killed_at = time.monotonic()
-            os.kill(worker, signal.SIGKILL)
-            disturbed = await run
-            after = [t for t in token_times if t > killed_at + 0.05]
-            return reference, disturbed, killed_at, after
-
-        reference, disturbed, killed_at, after = asyncio.run(scenario())
+        reference, disturbed, killed_at, after, _ = asyncio.run(kill_under_load(client, server.model, worker))
         assert after, "no token after the kill: it came too late to test recovery"
         print(f"recovery: kill -> first token after restart {after[0] - killed_at:.2f}s")
         assert disturbed == reference
@@ -59,34 +64,24 @@ def test_sigkilled_scheduler_is_restarted_and_streams_continue_identically(tmp_p
         scheduler = child_by_role(server.proc.pid, "scheduler")
         assert scheduler is not None, server.log_tail()
 
-        async def probe(session) -> tuple[int, str | None]:
-            body = {"model": server.model, "prompt": "hi", "max_tokens": 2}
-            async with session.post(server.base_url + "/v1/completions", json=body) as resp:
-                return resp.status, resp.headers.get("Retry-After")
-
-        async def new_requests_meanwhile(session) -> list[tuple[int, str | None]]:
+        async def new_requests_meanwhile() -> list[tuple[int, str | None]]:
             """A new request every 50 ms for 3 s, each on its own (one may wait a while)."""
-            probes = []
-            for _ in range(60):
-                probes.append(asyncio.create_task(probe(session)))
-                await asyncio.sleep(0.05)
-            return await asyncio.gather(*probes)
+            body = {"model": server.model, "prompt": "hi", "max_tokens": 2}
 
-        async def scenario():
-            reference = await stream_all(client, server.model, [])
-            token_times: list[float] = []
-            run = asyncio.create_task(stream_all(client, server.model, token_times))
-            while len(token_times) < len(PROMPTS) * 12 and not run.done():
-                await asyncio.sleep(0.01)
-            killed_at = time.monotonic()
-            os.kill(scheduler, signal.SIGKILL)
+            async def probe(session):
+                async with session.post(server.base_url + "/v1/completions", json=body) as resp:
+                    return resp.status, resp.headers.get("Retry-After")
+
             async with aiohttp.ClientSession() as session:
-                probes = await new_requests_meanwhile(session)
-            disturbed = await run
-            after = [t for t in token_times if t > killed_at + 0.05]
-            return reference, disturbed, killed_at, after, probes
+                probes = []
+                for _ in range(60):
+                    probes.append(asyncio.create_task(probe(session)))
+                    await asyncio.sleep(0.05)
+                return await asyncio.gather(*probes)
 
-        reference, disturbed, killed_at, after, probes = asyncio.run(scenario())
+        reference, disturbed, killed_at, after, probes = asyncio.run(
+            kill_under_load(client, server.model, scheduler, new_requests_meanwhile)
+        )
         refused = [p for p in probes if p[0] == 503]
         assert refused and all(int(retry) >= 1 for _, retry in refused), probes
         assert {status for status, _ in probes} <= {200, 503}, probes
