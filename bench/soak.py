@@ -8,8 +8,9 @@ stays whole: nothing it accepted is lost, no KV block outlives its request, memo
    tokens/s after its first seconds, over the sample's mean output length, is the capacity
    in requests/s (robust to a short window, where few requests complete).
 3. Warm-up: `--warmup-s` of the soak's own load, then idle. The RSS baseline is taken
-   here, once every process has seen the overload's high water (allocator arenas, the KV
-   pools' pages touched for the first time), so that growth after it means a leak.
+   here, once every process has seen the overload's high water (allocator arenas), so that
+   growth after it means a leak. The server it starts writes its KV pools at start
+   (`--kv-prefault`): otherwise their pages count in RSS as rotation first touches them.
 4. Soak: Poisson arrivals at `--load` x capacity for `--duration` s. A seeded
    `--disconnect-frac` of requests hang up: half before their first token (after a random
    wait of up to `--patience` s, or on the answer if it comes first), half after k tokens.
@@ -480,7 +481,7 @@ def sample_pool(args) -> list[WorkItem]:
 
 def server_flags(args, admin: str) -> list[str]:
     return [
-        "--hbm-blocks", str(args.hbm_blocks), "--dram-gb", str(args.dram_gb),
+        "--hbm-blocks", str(args.hbm_blocks), "--dram-gb", str(args.dram_gb), "--kv-prefault",
         "--max-waiting", str(args.max_waiting), "--policy", args.policy, "--admin-bind", admin,
     ]  # fmt: skip
 

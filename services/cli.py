@@ -155,6 +155,12 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dram-gb", type=float, default=2.0, help="host-memory KV pool size in GiB (default %(default)s)")
     g.add_argument(
+        "--kv-prefault",
+        action="store_true",
+        help="write the KV pools once at start so host memory is resident from the first request "
+        "(seconds per GiB on a CPU; device and pinned memory always are)",
+    )
+    g.add_argument(
         "--block-size", type=int, default=config.DEFAULT_BLOCK_SIZE, help="tokens per KV block (default %(default)s)"
     )
     g.add_argument(

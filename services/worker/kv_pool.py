@@ -196,7 +196,17 @@ class KVPools:
     between the two. Call `close()` (or use as a context manager) to give the memory back.
     """
 
-    def __init__(self, spec: KVSpec, num_hbm_blocks: int, num_dram_blocks: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_hbm_blocks: int,
+        num_dram_blocks: int,
+        device: torch.device | str = "cpu",
+        prefault: bool = False,
+    ):
+        """`prefault`: write both pools once now, so that host memory is resident from the
+        start (as device and pinned memory always are): no page faults while serving, a
+        shortfall shows at start, and RSS is flat from the first request."""
         self.spec = spec
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -206,6 +216,9 @@ class KVPools:
         self.dram, self._registered = alloc_host_pool(
             spec.pool_shape(num_dram_blocks), spec.dtype, pin=self.device.type == "cuda"
         )
+        if prefault:
+            self.hbm.zero_()
+            self.dram.zero_()
 
     @property
     def num_hbm_blocks(self) -> int:

@@ -216,7 +216,7 @@ def build_worker(
     num_dram = num_dram_blocks(whole, args.dram_gb)
     if group is not None:
         num_hbm, num_dram = group.min_int(num_hbm), group.min_int(num_dram)
-    pools = KVPools(spec, num_hbm, num_dram, device)
+    pools = KVPools(spec, num_hbm, num_dram, device, prefault=args.kv_prefault)
     engine = TransferEngine(pools, args.transfer_mode)
     runner = ModelRunner(model, cfg, pools.hbm, args.block_size, device, group)
     ready = p.WorkerReady(
