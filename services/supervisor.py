@@ -101,7 +101,8 @@ def child_argv(args: argparse.Namespace, add_group) -> list[str]:
         value = getattr(args, action.dest, None)
         if value is None or value == action.default:
             continue
-        out += [action.option_strings[0], str(value)]
+        flag = action.option_strings[0]
+        out += [flag] if action.nargs == 0 else [flag, str(value)]  # nargs 0: a switch (store_true)
     return out
 
 

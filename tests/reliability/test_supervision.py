@@ -54,3 +54,14 @@ def test_hung_watch_forgets_a_pause_that_ended():
     watch.observe(False, 6.0)
     watch.observe(True, 7.0)
     assert not watch.hung(100.0)
+
+
+def test_serve_options_reach_the_worker_as_the_worker_parses_them():
+    from services import cli
+    from services.supervisor import child_argv
+
+    args = cli.build_parser().parse_args(["serve", "--dram-gb", "0.5", "--kv-prefault", "--policy", "fcfs"])
+    argv = child_argv(args, cli._worker_args)
+    assert argv == ["--dram-gb", "0.5", "--kv-prefault"]
+    worker = cli.build_parser().parse_args(["worker", *argv])
+    assert worker.kv_prefault and worker.dram_gb == 0.5
