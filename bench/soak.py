@@ -339,6 +339,7 @@ class Watch:
 
     def __init__(self, pid: int | None, every_s: float = 10.0) -> None:
         self.pid, self.every_s, self.peak_mb = pid, every_s, None
+        self.samples: list[tuple[float, float]] = []  # (perf_counter, MiB)
         self.outcomes: list[Outcome] = []
         self.t0 = 0.0
 
@@ -348,6 +349,8 @@ class Watch:
             mb = await asyncio.to_thread(rss_mb, self.pid)
             self.peak_mb = max(self.peak_mb or 0.0, mb) if mb is not None else None
             now = time.perf_counter()
+            if mb is not None:
+                self.samples.append((now, mb))
             if self.outcomes and now - shown >= self.every_s:
                 shown = now
                 print(self.line(now - self.t0, mb), file=sys.stderr, flush=True)
@@ -443,12 +446,15 @@ async def soak(url: str, model: str, pool: list[WorkItem], args, pid: int | None
         warm = await open_phase(session, url, model, pool, rate, args.warmup_s, args.seed + 1, args, watch, "warm-up")
         before = await wait_idle(admin, args.idle_timeout)
         rss_start = rss_by_process(pid)
+        second_half = time.perf_counter() + args.duration / 2
         outcomes = await open_phase(session, url, model, pool, rate, args.duration, args.seed, args, watch, "soak")
     after = await wait_idle(admin, args.idle_timeout)
     rss_end = rss_by_process(pid)
     watcher.cancel()
     live, leaked = idle_state(after)
     start_mb, end_mb = (sum(r.values()) if r else None for r in (rss_start, rss_end))
+    # A leak keeps growing; an allocator's high-water mark levels off: the second half tells them apart.
+    late = [mb for t, mb in watch.samples if t >= second_half]
     peaks = [v for v in (watch.peak_mb, start_mb, end_mb) if v is not None]
     result = {
         **capacity,
@@ -462,6 +468,7 @@ async def soak(url: str, model: str, pool: list[WorkItem], args, pid: int | None
         "rss_end_mb": end_mb,
         "rss_peak_mb": max(peaks) if peaks else None,
         "rss_growth_pct": None if start_mb is None else 100.0 * (end_mb - start_mb) / start_mb,
+        "rss_second_half_growth_pct": 100.0 * (late[-1] - late[0]) / late[0] if len(late) > 1 else None,
         "rss_start_by_process_mb": rss_start,
         "rss_end_by_process_mb": rss_end,
         "scheduler": scheduler_delta(before, after),
@@ -538,7 +545,8 @@ def format_result(r: dict) -> str:
         f"disconnected {w['disconnected']}  failed {w['failed']}  rejected {w['rejected']}  (before the RSS baseline)",
         f"at idle     leaked blocks {r['leaked_blocks']}  live requests {r['live_requests_at_idle']}",
         f"rss MiB     start {num(r['rss_start_mb'])}  end {num(r['rss_end_mb'])}  "
-        f"growth {num(r['rss_growth_pct'], '.2f')}%  peak {num(r['rss_peak_mb'])}",
+        f"growth {num(r['rss_growth_pct'], '.2f')}% (second half of the soak "
+        f"{num(r.get('rss_second_half_growth_pct'), '.2f')}%)  peak {num(r['rss_peak_mb'])}",
         f"rss by proc {by_process}",
         f"latency ms  TTFT p50 {num(r['ttft_p50_ms'])} p99 {num(r['ttft_p99_ms'])}  "
         f"TBT p50 {num(r['tbt_p50_ms'])} p99 {num(r['tbt_p99_ms'])}  (completed requests)",
