@@ -60,7 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-s", type=float, default=45.0, help="closed-loop phase, seconds (default %(default)s)")
     p.add_argument("--capacity-skip-s", type=float, default=15.0, help="its first seconds, not counted")
     p.add_argument(
-        "--warmup-s", type=float, default=120.0, help="open-loop warm-up at the soak's load before the RSS baseline"
+        "--warmup-s",
+        type=float,
+        default=300.0,
+        help="open-loop warm-up at the soak's load before the RSS baseline (default %(default)s: "
+        "the worker's allocator reaches its high-water mark within the first minutes)",
     )
     p.add_argument("--clients", type=int, default=16, help="closed-loop streams (default %(default)s)")
     p.add_argument("--disconnect-frac", type=float, default=0.1, help="share that hangs up (default %(default)s)")
