@@ -16,6 +16,7 @@ from services.scheduler.core import SchedulerConfig
 from services.scheduler.service import SchedulerService
 from shared import protocol as p
 from shared.log import setup_logging
+from tests.reliability.rig import heartbeat
 from tests.scheduler.harness import SymbolicWorker
 
 TOKEN = "s3cret"
@@ -137,15 +138,15 @@ async def run_rig(tmp_path, scenario, *, num_hbm=10, num_dram=200, block_size=4,
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr("sched"))
     gateway = Gateway(sock)
-    await sock.send(p.encode(p.GatewayHello("gw-test")))
-    recv = asyncio.create_task(gateway.recv_loop())
+    recv = [asyncio.create_task(heartbeat(sock)), asyncio.create_task(gateway.recv_loop())]
     admin = Admin(ctx, addr("admin"))
     try:
         assert await until(lambda: _ready(service)), "worker never reported ready"
         return await scenario(Rig(service, gateway, admin))
     finally:
-        recv.cancel()
-        await asyncio.gather(recv, return_exceptions=True)
+        for t in recv:
+            t.cancel()
+        await asyncio.gather(*recv, return_exceptions=True)
         service.stopping = True  # first: a plan sent to a stopped worker would find no peer
         await tasks[0]
         stop.set()

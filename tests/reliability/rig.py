@@ -118,6 +118,13 @@ class Gateway:
         return sum(len(t) for t in self.tokens.values())
 
 
+async def heartbeat(sock: zmq.asyncio.Socket, gateway_id: str = "gw-test") -> None:
+    """Hello every second, as a real gateway says it: a silent one is taken for gone."""
+    while True:
+        await sock.send(p.encode(p.GatewayHello(gateway_id)))
+        await asyncio.sleep(1.0)
+
+
 async def until(predicate, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -148,13 +155,13 @@ async def run_rig(tmp_path, scenario, step_timeout_s: float = 0.3, **cfg):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr("sched"))
     gateway = Gateway(sock)
-    await sock.send(p.encode(p.GatewayHello("gw-test")))
-    recv = asyncio.create_task(gateway.recv_loop())
+    tasks = [asyncio.create_task(heartbeat(sock)), asyncio.create_task(gateway.recv_loop())]
     try:
         return await scenario(Rig(service, gateway, addr("worker")))
     finally:
-        recv.cancel()
-        await asyncio.gather(recv, return_exceptions=True)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         service.stopping = True
         await loop_task
         sock.close()
