@@ -13,6 +13,12 @@ cost per step is the real core's `schedule` + `update` + the Plan/StepResult cod
 
 The pools are sized as the live service sizes them: HBM = a quarter of the RAM available
 now, DRAM = `--dram-gb` (2 GiB, the service's default).
+
+This times the runner with the machine to itself. Served, the same steps take longer (the
+gateway, the scheduler and the load client share the cores): `bench simlive` fits the same
+four terms on served steps instead and adds two live terms (the `cpu-live` profile,
+bench/costmodel.py); with `--micro` it runs this with `--keep min` (each shape's fastest
+repetition) and reports the served steps' time over this model's price of them.
 """
 
 from __future__ import annotations
@@ -105,10 +111,12 @@ def _timed(runner: ModelRunner, step: list[ScheduledRequest]) -> float:
     return time.perf_counter() - t0
 
 
-def measure_steps(runner: ModelRunner, reps: int) -> list[tuple[StepWork, float]]:
+def measure_steps(runner: ModelRunner, reps: int, keep: str = "median") -> list[tuple[StepWork, float]]:
     """(work, seconds) per distinct step: each prefill length, and each step of each decode
-    shape, measured `reps` times; the median is kept, so a step slowed by another process
-    on a shared machine does not bend the fit. A warm-up pass runs first, untimed."""
+    shape, measured `reps` times; the median (or the fastest: `keep="min"`) is kept, so a
+    step slowed by another process on a shared machine does not bend the fit. The fastest
+    is the machine's own speed even under heavy sharing, where a median still swings. A
+    warm-up pass runs first, untimed."""
     shapes = Shapes(runner)
     shapes.prefill(64)
     shapes.decodes(4, 32, 2)
@@ -118,7 +126,8 @@ def measure_steps(runner: ModelRunner, reps: int) -> list[tuple[StepWork, float]
         for batch, context in DECODE_SHAPES:
             one += shapes.decodes(batch, context, NUM_DECODE_STEPS)
         runs.append(one)
-    return [(same[0][0], statistics.median(s for _, s in same)) for same in zip(*runs)]
+    pick = min if keep == "min" else statistics.median
+    return [(same[0][0], pick(s for _, s in same)) for same in zip(*runs)]
 
 
 def features(w: StepWork) -> list[float]:
@@ -147,7 +156,12 @@ def fit_linear(samples: list[tuple[StepWork, float]]) -> tuple[list[float], floa
 
 
 def measure_link(spec: KVSpec, reps: int) -> dict[str, float]:
-    """Seconds per mode to move XFER_BLOCKS blocks each way (median of `reps`)."""
+    """Seconds per mode to move XFER_BLOCKS blocks each way (median of `reps`).
+
+    One parallel region opens on this thread first: in a process whose first one opens on a
+    transfer thread, the merged and batched copies ran ~100x slow here (1 s instead of 7 ms
+    for 64 blocks each way), which the worker, warm from loading its model, never sees."""
+    torch.ones(256, 256) @ torch.ones(256, 256)
     out = {}
     with KVPools(spec, 2 * XFER_BLOCKS, 2 * XFER_BLOCKS, "cpu") as pools:
         pools.hbm.normal_()
@@ -222,6 +236,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice, as the worker)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every shape (default %(default)s)")
     p.add_argument(
+        "--keep", choices=["median", "min"], default="median", help="which repetition of a shape to fit (default %(default)s)"
+    )
+    p.add_argument(
         "--dram-gb", type=float, default=2.0, help="DRAM pool of the live service, GiB (default %(default)s)"
     )
     p.add_argument("--out", type=Path, default=PROFILE_DIR / "cpu.json", help="profile to write (default %(default)s)")
@@ -238,14 +255,14 @@ def run(args: argparse.Namespace) -> int:
     runner = ModelRunner(
         model, cfg, allocate_kv_pool(cfg, num_blocks, BLOCK_SIZE, torch.float32, "cpu"), BLOCK_SIZE, "cpu"
     )
-    samples = measure_steps(runner, args.reps)
+    samples = measure_steps(runner, args.reps, args.keep)
     coef, r2 = fit_linear(samples)
     spec = KVSpec.from_model(cfg, BLOCK_SIZE, torch.float32)
     link = link_profile(spec, measure_link(spec, args.reps))
     profile = {
         "name": "cpu",
         "notes": f"calibrated by `superinfer bench calibrate` on this machine (torch threads: {torch.get_num_threads()}), "
-        f"{len(samples)} distinct steps (median of {args.reps}), fit R^2 {r2:.3f}; the live CPU worker starts a step's copies after the previous step",
+        f"{len(samples)} distinct steps ({args.keep} of {args.reps}), fit R^2 {r2:.3f}; the live CPU worker starts a step's copies after the previous step",
         "linear": {
             "model": "smollm2",
             "overhead_s": coef[0],

@@ -7,7 +7,16 @@ Two ways to price a step's compute, chosen by the hardware profile:
   HBM bandwidth) + a fixed per-step overhead. MoE reads only the experts some token routes
   to and computes only the active ones;
 - linear (the `cpu` profile, fitted by `bench calibrate` on the real worker): overhead +
-  per prefill token + per decode token + per KV token read.
+  per prefill token + per decode token + per KV token read. `bench simlive` fits the same
+  four terms on the steps of a live served run instead (the `cpu-live` profile).
+
+Two more terms carry what a client of the live server sees beyond compute and copies; both are
+measured on the live server by `bench simlive` (from a calibration trace, not the one it
+evaluates) and are 0 in a profile that has not measured them:
+- `step_gap_ms`: worker time per step beyond its compute (result out, next plan in, request
+  bookkeeping), charged between consecutive steps;
+- `client_latency_ms`: what a client sees on top of the scheduler's token times (HTTP,
+  tokenization, the socket hops and SSE), added to each request's TTFT.
 
 Copies are priced from the bytes moved, the link's efficiency at the copy's segment size
 (interpolated on log size) and the transfer mode: `naive` copies one layer's K or V of one
@@ -167,6 +176,8 @@ class Hardware:
     kv_hbm_bytes: float | None = None  # HBM KV pool size when fixed (cpu: a RAM share)
     kv_dram_bytes: float | None = None
     linear: LinearCost | None = None
+    step_gap_s: float = 0.0  # worker time between two busy steps, beyond compute
+    client_latency_s: float = 0.0  # client-side TTFT beyond the scheduler's
     defaults: dict = field(default_factory=dict)  # scheduler defaults for this machine
     notes: str = ""
 
@@ -196,6 +207,8 @@ def hardware_from_dict(d: dict) -> Hardware:
         kv_hbm_bytes=_opt_gb(d.get("kv_hbm_gb")),
         kv_dram_bytes=_opt_gb(d.get("kv_dram_gb")),
         linear=LinearCost(**lin) if lin else None,
+        step_gap_s=float(d.get("step_gap_ms", 0.0)) / 1e3,
+        client_latency_s=float(d.get("client_latency_ms", 0.0)) / 1e3,
         defaults=dict(d.get("defaults", {})),
         notes=d.get("notes", ""),
     )

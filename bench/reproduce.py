@@ -2,8 +2,10 @@
 bench/REPRODUCTION.md — the paper's experiments next to ours, from simulator runs of the
 scheduler core that serves, plus the cost model's transfer table.
 
-Every number in the Markdown comes from this run; the rows, one CSV per figure and the PNGs
-go to bench/results/. The whole reproduction takes a few minutes on two cores.
+Every number in the Markdown comes from this run, except the last section's: the simulator
+against the live server, read from the runs `superinfer bench simlive` recorded in
+bench/results/simlive_runs.jsonl. The rows, one CSV per figure and the PNGs go to
+bench/results/. The whole reproduction takes a few minutes on two cores.
 """
 
 from __future__ import annotations
@@ -356,7 +358,18 @@ def render(ctx: Ctx, res: dict, seconds: float) -> str:
     ]
     L += render_fig1(res, hi)
     L += render_rest(ctx, res, hi)
+    L += simlive_section(ctx.args.results)
     return "\n".join(L) + "\n"
+
+
+def simlive_section(results: Path) -> list[str]:
+    """The simulator against the live server, from the runs `bench simlive` recorded (minutes
+    of live serving each: recorded, not rerun here)."""
+    from bench import simlive
+
+    path = results / "simlive_runs.jsonl"
+    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return simlive.markdown(runs)
 
 
 def render_fig1(res: dict, hi: float) -> list[str]:

@@ -9,9 +9,13 @@ every gap between tokens, then `bench.report.summarize` computes the same metric
 `bench serve` does against a live server.
 
 Pipelining, as the live scheduler does it (`--pipeline-depth 2`, its default): plan t+1
-is built when step t starts computing, before t's result is back (the core plans one
-pending sample per decoding request), and t's result is applied when t ends. Scheduling
-thus overlaps compute; a step stalls only if scheduling takes longer. Where copies go
+is built when step t−1's result is back, as step t starts (or waits for its swap-ins),
+before t's result is back (the core plans one pending sample per decoding request), and
+t's result is applied when t ends. Scheduling thus overlaps compute; a step stalls only if
+scheduling takes longer. A request that arrives while a step computes and nothing else
+waits to be planned is planned at once, as the live loop plans after every message. Fed
+a live run's arrivals and result times, the core therefore plans what the live scheduler
+planned (`bench simlive` replays runs so). Where copies go
 (`Clock.step`): with a profile's `pipeline` (GPU profiles, the paper's design) step t+1's
 copies start as soon as its plan exists, overlapping step t's compute, and queue on the
 link behind earlier copies; compute waits only for the swap-ins it reads. (The live worker
@@ -22,6 +26,11 @@ dirty block of each preempted request.) Without it (the
 start after the previous step is done, both directions at once, compute waits for the
 swap-ins, and the step ends when compute and the out-direction copies are both done.
 `--pipeline-depth 1` plans each step after the previous result instead.
+
+A profile measured on the live server (`bench simlive`) adds two of its terms here: the
+worker's gap between two steps (`step_gap_ms`: a step starts that long after the previous
+one ends at the earliest) and the client's latency on top of the scheduler's token times
+(`client_latency_ms`, added to each request's TTFT and end-to-end time).
 
 The scheduling time is modelled (the profile's `sched_ms`, or `--sched-time MS`);
 `--sched-time measured` uses the wall time of the real `schedule()` call instead (runs are
@@ -73,6 +82,7 @@ class Clock:
 
     overlap_copies: bool  # copies of a step may run during the previous step's compute
     link_free: float = 0.0
+    gap_s: float = 0.0  # the worker's time between the end of one step and the next's start
 
     def step(
         self,
@@ -89,7 +99,7 @@ class Clock:
         ready = plan_at + sched_s
         link_start = max(ready, self.link_free if self.overlap_copies else max(self.link_free, prev_end))
         self.link_free = link_start + xfer_s
-        start = max(prev_end, ready, link_start + in_s if reads_in else ready)
+        start = max(prev_end + self.gap_s, ready, link_start + in_s if reads_in else ready)
         end = start + compute_s
         return start, end if self.overlap_copies else max(end, self.link_free)
 
@@ -122,6 +132,9 @@ class SimRun:
     xfer_ms: list[float] = field(default_factory=list)
     sched_wall_ms: list[float] = field(default_factory=list)
     stall_s: float = 0.0
+    # What a live step trace shows: when each step's result is back, how many tokens it sampled.
+    step_end_s: list[float] = field(default_factory=list)
+    step_num_sampled: list[int] = field(default_factory=list)
 
 
 def requests_of(items: list[WorkItem]) -> list[AddRequest]:
@@ -148,7 +161,7 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
     requests = requests_of(items)
     num_samples = [0] * len(items)  # samples planned so far (emitted + in flight)
     times: list[list[float]] = [[] for _ in items]
-    clock = Clock(hw.pipeline)
+    clock = Clock(hw.pipeline, gap_s=hw.step_gap_s)
     run = SimRun([], 0.0, {})
     fixed_sched = None if setup.sched_time == "measured" else _sched_s(setup.sched_time, hw)
     flight: InFlight | None = None
@@ -172,11 +185,14 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         if setup.check_invariants:
             core.check_invariants()
         if plan is None:
-            if flight is not None:  # nothing to plan until the step in flight reports
+            arrival = items[order[nxt]].arrival_s if nxt < len(order) else math.inf
+            if flight is not None and arrival < flight.end:
+                now = max(now, arrival)  # as the live loop does: plan it while the step computes
+            elif flight is not None:  # nothing to plan until the step in flight reports
                 finish(flight)
                 now, flight = max(now, flight.end), None
             elif nxt < len(order):
-                now = max(now, items[order[nxt]].arrival_s)
+                now = max(now, arrival)
             elif core.has_unfinished():
                 raise RuntimeError(f"simulation stuck at {now:.3f} s: {core.stats()}")
             else:
@@ -199,6 +215,8 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         )
         run.stall_s += start - prev_end if flight is not None else 0.0
         run.step_ms.append((end - prev_end) * 1e3)
+        run.step_end_s.append(end)
+        run.step_num_sampled.append(len(sampled))
         run.compute_ms.append(compute_s * 1e3)
         run.xfer_ms.append(x.total_s * 1e3)
         if flight is not None:
@@ -208,8 +226,8 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
             finish(flight)
             now, flight = end, None
         else:
-            now = start  # the next plan is built while this step computes
-    run.records = [_record(it, ts) for it, ts in zip(items, times)]
+            now = max(now, prev_end)  # the next plan: when the previous result is back, as this step starts
+    run.records = [_record(it, [t + hw.client_latency_s for t in ts]) for it, ts in zip(items, times)]
     run.duration_s = max((ts[-1] for ts in times if ts), default=0.0) - min((it.arrival_s for it in items), default=0.0)
     run.stats = core.stats()
     return run

@@ -1,0 +1,545 @@
+"""`superinfer bench simlive`: does the simulator agree with the live server on this machine?
+
+One run, one configuration (policy, SLOs, `--hbm-blocks`, chunk budget, `--max-num-seqs`),
+the same values for the server and the simulator:
+
+1. `superinfer serve` starts with that configuration and `--step-trace`.
+2. Three ShareGPT traces at the same rate are served one after the other: a calibration
+   trace (seed `--calib-seed`, half the size), the evaluated trace (`--seed`), a second
+   calibration trace (the next seed, half the size). Calibrating on both sides of the
+   evaluation lets a machine whose load drifts meet it halfway.
+3. Calibration, on the two calibration traces only. The scheduler's step trace gives every
+   served step's compute time; which work each step did is re-derived by replaying the run
+   through the same scheduler core (the live arrivals, from the scheduler's log, and the
+   result times, planning as the service's loop does: `replay_plans`). `live_scale` = their
+   served compute / what `bench calibrate`'s step model (`--step-model`, its `cpu` profile;
+   `--micro` measures one in the run) prices the same steps at; the `cpu-live` profile is
+   that profile with its step model scaled, plus two live terms (bench/costmodel.py):
+   `step_gap_ms`, the median of what a busy step's result period holds beyond its compute
+   and its swap-in wait, and `client_latency_ms`, the median of each request's client TTFT
+   minus the scheduler's (its `request_finished` log line).
+4. The evaluated trace is simulated with that profile; the table shows live and simulated
+   TTFT/TBT percentiles and attainment, sim/live, and whether each p50 is within 25%. The
+   evaluated steps' served compute over the calibrated price is printed beside it (not
+   used): how far the machine's speed drifted.
+
+What makes served steps differ from the micro-benchmark: it times the runner with the
+machine to itself. Served on two shared cores, the same steps computed ~2.3x slower on an
+otherwise quiet machine: the worker's torch runs two threads, and the gateway
+(detokenization, SSE), the scheduler and the load client take a core during its steps (with
+one torch thread the served steps matched the one-thread micro-benchmark). The gap between
+steps is well under a millisecond (the pipeline keeps the next plan queued at the worker);
+the HTTP path adds ~8 ms to TTFT. Why one scale and not a refit of the four terms on served
+steps: few of those steps prefill, so a refit leaves the prefill cost (hence TTFT) loose,
+and decode count and KV read move together; under other load the micro-benchmark itself
+swings (its fit is kept from a quiet moment: `--step-model`).
+Outputs are capped at `--max-output-tokens` so that a run fits in a few minutes. The default
+rate (0.5 req/s) keeps the server busy with a KV pool that forces rotations, and queueing
+shows in the TTFT tail (p90 ~10x p50); at 0.8 req/s TTFT p50 sits on the knee of the
+queueing curve, where a 10% slower step doubles it, live or simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+
+from bench import calibrate, sim
+from bench.costmodel import MODELS, PROFILE_DIR, StepWork, compute_time, hardware_from_dict
+from bench.live import REPO, Server, start_server
+from bench.report import RequestRecord, summarize
+from bench.workload import WorkItem, load_workload
+from services.scheduler.core import SchedulerConfig, SchedulerCore
+from shared.protocol import StepResult
+
+HERE = Path(__file__).resolve().parent
+HISTORY = HERE / "results" / "simlive_runs.jsonl"
+MIN_COMPUTE_S = 1e-3  # a step below this computed nothing (drops only)
+BUSY_PLAN_WAIT_S = 1e-3  # the worker had the plan queued: the period is all step
+PIPELINE_DEPTH = 2  # plans in flight, as the live scheduler keeps them (its default)
+TICK_S = 0.002  # results traced closer than this were drained in one tick of the scheduler's loop
+STEP_TRACE = "steps.jsonl"
+SCHEDULE_LAG_S = 3e-4  # the service plans this long after it applied a result (its replies go first)
+AGREE = 0.25
+KEYS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p90_ms", "tbt_p99_ms")
+ATTAIN = ("ttft_attainment", "tbt_attainment", "slo_attainment")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The one configuration both the server and the simulator run."""
+
+    num_requests: int = 40
+    rate: float = 0.5
+    seed: int = 0
+    calib_seed: int = 1000
+    max_output_tokens: int = 192
+    policy: str = "lvf"
+    ttft_slo: float = 5.0
+    tbt_slo: float = 0.1
+    hbm_blocks: int = 128
+    dram_gb: float = 2.0
+    max_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    xfer_budget: int = 2400
+    transfer_mode: str = "duplex"
+
+    def server_argv(self, step_trace: Path) -> list[str]:
+        return [
+            *("--policy", self.policy, "--ttft-slo", str(self.ttft_slo), "--tbt-slo", str(self.tbt_slo)),
+            *("--hbm-blocks", str(self.hbm_blocks), "--dram-gb", str(self.dram_gb)),
+            *("--max-batched-tokens", str(self.max_batched_tokens), "--max-num-seqs", str(self.max_num_seqs)),
+            *("--xfer-budget", str(self.xfer_budget), "--transfer-mode", self.transfer_mode),
+            *("--step-trace", str(step_trace), "--admin-bind", "off"),
+        ]
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            policy=self.policy,
+            max_batched_tokens=self.max_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            ttft_slo=self.ttft_slo,
+            tbt_slo=self.tbt_slo,
+            xfer_budget=self.xfer_budget,
+        )
+
+
+def trace(setting: Setting, seed: int, tokenizer, num_requests: int | None = None) -> list[WorkItem]:
+    """ShareGPT requests with Poisson arrivals at the setting's rate, outputs capped."""
+    items = load_workload("sharegpt", num_requests or setting.num_requests, setting.rate, tokenizer, seed=seed)
+    return [replace(it, output_tokens=min(it.output_tokens, setting.max_output_tokens)) for it in items]
+
+
+@dataclass(frozen=True)
+class Pools:
+    """The worker's pools as its scheduler reports them; the simulator and the replay get the same."""
+
+    num_hbm_blocks: int
+    num_dram_blocks: int
+    max_model_len: int
+
+    @classmethod
+    def of(cls, server: Server) -> Pools:
+        st = server.scheduler_stats()
+        return cls(st["num_hbm_blocks"], st["num_dram_blocks"], st["max_model_len"])
+
+
+# ---------------------------------------------------------------- the live side
+
+
+@dataclass
+class LiveRun:
+    records: list[RequestRecord]  # in workload order
+    duration_s: float
+    wall: tuple[float, float]  # epoch seconds at the start and the end of the replay
+    steps: list[dict] = field(default_factory=list)  # step-trace lines inside `wall`
+    load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average before and after
+
+
+def serve_trace(server: Server, items: list[WorkItem], step_trace: Path) -> LiveRun:
+    """`bench serve`'s replay of `items`, and the steps the scheduler traced meanwhile."""
+    from bench import serve
+
+    args = argparse.Namespace(max_concurrency=None, request_timeout=900.0, api_key=None, ignore_eos=True)
+    load0, w0 = os.getloadavg()[0], time.time()
+    records, duration_s = asyncio.run(serve.replay(server.base_url, server.model, items, args))
+    w1 = time.time()
+    return LiveRun(records, duration_s, (w0, w1), read_steps(step_trace, w0, w1), (load0, os.getloadavg()[0]))
+
+
+def read_steps(path: Path, t0: float, t1: float) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if t0 <= r["t"] <= t1]
+
+
+def scheduler_finishes(log_path: Path, t0: float, t1: float) -> list[dict]:
+    """The scheduler's `request_finished` log events of requests that arrived in [t0, t1],
+    each with its arrival (epoch s): finish time minus the time it spent at the scheduler."""
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"request_finished"' not in line:
+            continue
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("service") != "scheduler" or e.get("ttft_s") is None:
+            continue
+        spent = sum(e.get(k, 0.0) for k in ("waiting_s", "rotary_s", "running_s"))
+        e["arrival"] = datetime.fromisoformat(e["timestamp"]).timestamp() - spent
+        if t0 <= e["arrival"] <= t1:
+            out.append(e)
+    return out
+
+
+def match_requests(records: list[RequestRecord], finishes: list[dict]) -> dict[int, dict]:
+    """Record index -> its scheduler event: same prompt and output lengths, in the order
+    they arrived (the k-th such record sent is the k-th such event)."""
+    by_key: dict[tuple[int, int], deque[dict]] = {}
+    for e in sorted(finishes, key=lambda e: e["arrival"]):
+        by_key.setdefault((e["num_prompt_tokens"], e["num_output_tokens"]), deque()).append(e)
+    out = {}
+    for i in sorted((i for i, r in enumerate(records) if r.ok), key=lambda i: records[i].start_s):
+        queue = by_key.get((records[i].prompt_tokens, records[i].output_tokens))
+        if queue:
+            out[i] = queue.popleft()
+    return out
+
+
+# ---------------------------------------------------------------- the replay and the live terms
+
+
+def replay_plans(
+    items: list[WorkItem], arrivals: list[float], result_times: list[float], cfg: SchedulerConfig, pools: Pools
+) -> list[tuple[StepWork, int]]:
+    """(work, number of samples) of every plan the live scheduler built, re-derived: a fresh
+    core gets each request at its arrival and each result at the time the service got it,
+    and plans as the service's loop does, once per tick after its updates (results closer
+    than `TICK_S` came in one tick), `SCHEDULE_LAG_S` later, keeping `PIPELINE_DEPTH` plans
+    in flight. Times are epoch seconds; only their order and spacing matter."""
+    core = SchedulerCore(cfg, pools.num_hbm_blocks, pools.num_dram_blocks, pools.max_model_len)
+    requests = sim.requests_of(items)
+    num_samples = [0] * len(items)
+    events = sorted([(t, 0, i) for i, t in enumerate(arrivals)] + [(t, 1, k) for k, t in enumerate(result_times)])
+    flight: deque[tuple[int, list[str]]] = deque()
+    plans: list[tuple[StepWork, int]] = []
+    for n, (t, kind, i) in enumerate(events):
+        if kind == 0:
+            core.add_request(requests[i], t)
+        elif flight:
+            step_id, sampled = flight.popleft()
+            core.update(StepResult(step_id, sampled, [sim.TOKEN] * len(sampled)), t)
+        later = events[n + 1] if n + 1 < len(events) else None
+        if kind == 1 and later is not None and later[1] == 1 and later[0] - t < TICK_S:
+            continue  # the next result came in the same tick: plan after both
+        while len(flight) < PIPELINE_DEPTH and (plan := core.schedule(t + SCHEDULE_LAG_S)) is not None:
+            work, sampled = sim.plan_work(plan, items, num_samples)
+            flight.append((plan.step_id, sampled))
+            plans.append((work, len(sampled)))
+    return plans
+
+
+def step_samples(plans: list[tuple[StepWork, int]], steps: list[dict]) -> tuple[list[tuple[StepWork, float]], float]:
+    """(work, served compute seconds) per step that computed, paired in order, and the share
+    of steps whose replayed plan samples as many tokens as the live step did."""
+    pairs = list(zip(plans, steps))
+    same = sum(n == s["num_tokens"] for (_, n), s in pairs) / max(len(pairs), 1)
+    return [(w, s["compute_s"]) for (w, _), s in pairs if w.num_tokens and s["compute_s"] >= MIN_COMPUTE_S], same
+
+
+def served_ratio(samples: list[tuple[StepWork, float]], profile: dict) -> float:
+    """Served compute over what `profile` prices the same steps at: 1 for the profile fitted
+    on them, the drift of the machine for steps served later."""
+    hw, model = hardware_from_dict(profile), MODELS["smollm2"]
+    return sum(s for _, s in samples) / sum(compute_time(hw, model, w) for w, _ in samples)
+
+
+def step_gap_s(steps: list[dict]) -> float:
+    """Median of what a busy step's result period holds beyond its compute and its wait for
+    swap-ins: the pipeline's own cost per step (never negative)."""
+    gaps = [
+        b["t"] - a["t"] - b["compute_s"] - b["transfer_wait_s"]
+        for a, b in zip(steps, steps[1:])
+        if b["plan_wait_s"] < BUSY_PLAN_WAIT_S and b["compute_s"] >= MIN_COMPUTE_S
+    ]
+    return max(0.0, statistics.median(gaps)) if gaps else 0.0
+
+
+def client_latencies(records: list[RequestRecord], matched: dict[int, dict]) -> list[float]:
+    """Client TTFT minus the scheduler's, per request: HTTP, tokenization, hops and SSE."""
+    return [records[i].ttft_s - e["ttft_s"] for i, e in matched.items() if records[i].ttft_s is not None]
+
+
+def arrivals_at_scheduler(run: LiveRun, items: list[WorkItem], matched: dict[int, dict]) -> list[float]:
+    """Each request's arrival at the scheduler (epoch s); one the log misses is placed at its
+    send time plus the median hop of the others."""
+    sent = [run.wall[0] + r.start_s for r in run.records]
+    hops = [e["arrival"] - sent[i] for i, e in matched.items()]
+    hop = statistics.median(hops) if hops else 0.0
+    return [matched[i]["arrival"] if i in matched else sent[i] + hop for i in range(len(items))]
+
+
+# ---------------------------------------------------------------- calibration
+
+
+@dataclass
+class Served:
+    """What one served trace measures: its steps' work (replayed) with their served compute,
+    and each request's client-side TTFT beyond the scheduler's."""
+
+    samples: list[tuple[StepWork, float]]
+    same: float  # share of steps the replay samples as the live step did
+    latencies: list[float]
+
+    @classmethod
+    def of(cls, run: LiveRun, items: list[WorkItem], log_path: Path, cfg: SchedulerConfig, pools: Pools) -> Served:
+        matched = match_requests(run.records, scheduler_finishes(log_path, *run.wall))
+        arrivals = arrivals_at_scheduler(run, items, matched)
+        plans = replay_plans(items, arrivals, [s["t"] for s in run.steps], cfg, pools)
+        samples, same = step_samples(plans, run.steps)
+        return cls(samples, same, client_latencies(run.records, matched))
+
+
+def live_profile(micro: dict, scale: float, gap_s: float, latency_s: float) -> dict:
+    """The `cpu-live` profile: the micro-benchmark's, its step model scaled to served speed,
+    with the two live terms."""
+    prof = json.loads(json.dumps(micro))
+    for k in ("overhead_s", "prefill_token_s", "decode_token_s", "kv_token_s"):
+        prof["linear"][k] *= scale
+    prof |= {"name": "cpu-live", "live_scale": round(scale, 4)}
+    prof |= {"step_gap_ms": round(gap_s * 1e3, 3), "client_latency_ms": round(latency_s * 1e3, 3)}
+    prof["notes"] = f"{micro.get('notes', '')}; step model x{scale:.3f} and the live terms: `bench simlive`"
+    return prof
+
+
+def calibrate_live(
+    runs: list[tuple[LiveRun, list[WorkItem]]], log_path: Path, setting: Setting, pools: Pools, micro: dict
+) -> dict:
+    """The `cpu-live` profile from the calibration traces served before and after the
+    evaluated one (a machine whose load drifts meets the evaluation halfway)."""
+    served = [Served.of(run, items, log_path, setting.scheduler_config(), pools) for run, items in runs]
+    scale = served_ratio([x for s in served for x in s.samples], micro)
+    latencies = [x for s in served for x in s.latencies]
+    gap = step_gap_s([step for run, _ in runs for step in run.steps])  # a run's first step follows idle: skipped
+    profile = live_profile(micro, scale, gap, statistics.median(latencies) if latencies else 0.0)
+    return {
+        "profile": profile,
+        "ratios": [served_ratio(s.samples, profile) for s in served],
+        "num_live_steps": [len(run.steps) for run, _ in runs],
+        "replay_same_samples": [s.same for s in served],
+        "num_matched": len(latencies),
+        "live": [slim(summarize(run.records, setting.ttft_slo, setting.tbt_slo, run.duration_s)) for run, _ in runs],
+        "load": [run.load for run, _ in runs],
+    }
+
+
+def calibrate_micro(out: Path, reps: int = 3) -> dict:
+    """`bench calibrate` (a subprocess with the worker's torch threads, the default), keeping
+    each shape's fastest repetition."""
+    cmd = [sys.executable, "-m", "services.cli", "bench", "calibrate", "--keep", "min", "--reps", str(reps)]
+    subprocess.run([*cmd, "--out", str(out)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------- the simulated side and the comparison
+
+
+def simulate(items: list[WorkItem], profile: dict, setting: Setting, pools: Pools) -> sim.SimRun:
+    hw = hardware_from_dict(profile)
+    cfg = setting.scheduler_config()
+    setup = sim.make_setup(
+        hw, MODELS["smollm2"], cfg, setting.transfer_mode, pools.num_hbm_blocks, pools.num_dram_blocks
+    )
+    return sim.simulate([replace(it, prompt="") for it in items], setup)
+
+
+def compare(live: dict, simulated: dict) -> dict:
+    """Ratios sim/live of the latency percentiles, and whether each p50 is within 25%."""
+    ratio = lambda k: simulated[k] / live[k] if live.get(k) and simulated.get(k) is not None else None  # noqa: E731
+    out = {f"{k.removesuffix('_ms')}_ratio": ratio(k) for k in KEYS}
+    within = {k: r is not None and abs(r - 1.0) <= AGREE for k, r in out.items() if "p50" in k}
+    return {**out, "within": within, "within_25pct": all(within.values())}
+
+
+def format_table(res: dict) -> str:
+    live, simulated = res["live"], res["sim"]
+    num = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    lines = [f"{'':<18}{'live':>10}{'sim':>10}{'sim/live':>10}  within 25%"]
+    for k in KEYS:
+        name = f"{k.removesuffix('_ms')}_ratio"
+        r = "n/a" if res[name] is None else f"{res[name]:.2f}"
+        flag = {True: "yes", False: "NO"}.get(res["within"].get(name), "")
+        lines.append(f"{k:<18}{num(live[k]):>10}{num(simulated[k]):>10}{r:>10}  {flag}")
+    lines += [f"{k:<18}{pct(live[k]):>10}{pct(simulated[k]):>10}" for k in ATTAIN]
+    return "\n".join(lines)
+
+
+def slim(summary: dict) -> dict:
+    keep = ("num_requests", "completed", "failed", "duration_s", "output_tok_s", *ATTAIN, *KEYS)
+    return {k: summary[k] for k in keep} | {k: v for k, v in summary.items() if k.endswith("_mean_ms")}
+
+
+def describe_profile(prof: dict) -> str:
+    scale = prof["live_scale"]
+    lin = {k: v / scale for k, v in prof["linear"].items() if k != "model"}
+    return (
+        f"served step = ({lin['overhead_s'] * 1e3:.1f} ms + {lin['prefill_token_s'] * 1e6:.0f} us/prefill"
+        f" + {lin['decode_token_s'] * 1e6:.0f} us/decode + {lin['kv_token_s'] * 1e6:.2f} us/KV) "
+        f"x {scale:.2f}, gap {prof['step_gap_ms']:.2f} ms, client latency {prof['client_latency_ms']:.1f} ms"
+    )
+
+
+# ---------------------------------------------------------------- one run
+
+
+def run_once(setting: Setting, log_dir: Path, micro: dict | None = None) -> dict:
+    """Serve, calibrate, evaluate, simulate (see the module's docstring). `micro`: the
+    micro-benchmark profile whose step model is scaled; None measures one first."""
+    from services.gateway.tokenizer import load_tokenizer
+    from shared.modelfile import resolve_model_path
+
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    half = max(1, setting.num_requests // 2)
+    before, after = (trace(setting, setting.calib_seed + i, tokenizer, half) for i in (0, 1))
+    items = trace(setting, setting.seed, tokenizer)
+    server = start_server(log_dir, *setting.server_argv(log_dir / STEP_TRACE))
+    try:
+        micro = micro or calibrate_micro(log_dir / "micro.json")
+        pools = Pools.of(server)
+        runs = [serve_trace(server, trace_, log_dir / STEP_TRACE) for trace_ in (before, items, after)]
+    finally:
+        server.stop()
+    cal = calibrate_live([(runs[0], before), (runs[2], after)], server.log_path, setting, pools, micro)
+    print(f"calibrated: {describe_profile(cal['profile'])}", file=sys.stderr)
+    srun = simulate(items, cal["profile"], setting, pools)
+    live = runs[1]
+    res = {
+        "setting": asdict(setting),
+        "live": slim(summarize(live.records, setting.ttft_slo, setting.tbt_slo, live.duration_s)),
+        "sim": slim(summarize(srun.records, setting.ttft_slo, setting.tbt_slo, srun.duration_s)),
+        "num_live_steps": len(live.steps),
+        "num_sim_steps": len(srun.step_ms),
+        "load": [runs[0].load[0], runs[2].load[1]],
+        # Not used by the simulator: the evaluated steps against the calibrated model (the drift).
+        "eval_ratio_unused": served_ratio(
+            Served.of(live, items, server.log_path, setting.scheduler_config(), pools).samples, cal["profile"]
+        ),
+    }
+    return res | compare(res["live"], res["sim"]) | {"calibration": cal, "wall_s": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------- runs on record
+
+
+def history_line(res: dict) -> dict:
+    """One run, as bench/results/simlive_runs.jsonl keeps it (REPRODUCTION.md reads them)."""
+    prof, cal = res["calibration"]["profile"], res["calibration"]
+    sides = {side: {k: res[side][k] for k in ("ttft_p50_ms", "tbt_p50_ms", *ATTAIN)} for side in ("live", "sim")}
+    return {
+        "when": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "setting": res["setting"],
+        "load": [round(x, 2) for x in res["load"]],
+        **sides,
+        **{k: res[k] for k in ("ttft_p50_ratio", "tbt_p50_ratio", "within_25pct", "eval_ratio_unused")},
+        **{k: prof[k] for k in ("live_scale", "step_gap_ms", "client_latency_ms")},
+        "calib_ratios": [round(x, 4) for x in cal["ratios"]],
+    }
+
+
+def markdown(runs: list[dict]) -> list[str]:
+    """The REPRODUCTION.md section: the runs of the latest setting and their medians."""
+    head = ["## The simulator vs the live server (SmolLM2 on this machine's CPU)", ""]
+    if not runs:
+        return [*head, "Not measured yet (`superinfer bench simlive` records its runs).", ""]
+    st = runs[-1]["setting"]
+    runs = [r for r in runs if r["setting"] == st]
+    med = lambda k: statistics.median(r[k] for r in runs)  # noqa: E731
+    rows = [
+        f"| {r['when'][:16]} | {r['load'][0]:.1f}–{r['load'][1]:.1f} | {r['live']['ttft_p50_ms']:.0f} / "
+        f"{r['sim']['ttft_p50_ms']:.0f} | {r['ttft_p50_ratio']:.2f} | {r['live']['tbt_p50_ms']:.0f} / "
+        f"{r['sim']['tbt_p50_ms']:.0f} | {r['tbt_p50_ratio']:.2f} | {r['live_scale']:.2f}; {r['calib_ratios'][0]:.2f}, "
+        f"{r['calib_ratios'][1]:.2f} ({r['eval_ratio_unused']:.2f}) | {'yes' if r['within_25pct'] else 'no'} |"
+        for r in runs
+    ]
+    return [
+        *head,
+        f"`superinfer bench simlive` serves one seeded ShareGPT trace ({st['num_requests']} requests, Poisson "
+        f"{st['rate']:g} req/s, outputs capped at {st['max_output_tokens']} tokens, seed {st['seed']}) on `superinfer "
+        f"serve` and simulates it with the same configuration ({st['policy']}, SLOs {st['ttft_slo']:g} s / "
+        f"{1e3 * st['tbt_slo']:g} ms, {st['hbm_blocks']} KV blocks, {st['max_batched_tokens']}-token chunks). The "
+        "simulator's profile is `bench calibrate`'s (`profiles/cpu.json`) with its step model scaled to served "
+        "speed, plus the measured gap between steps and the client's HTTP latency, all measured in the same run on "
+        f"two other traces of half the size (seeds {st['calib_seed']} and {st['calib_seed'] + 1}) served just before "
+        "and just after the evaluated one: the scale is their served compute over the step model's price of the "
+        "same steps, each step's work re-derived by replaying the trace's arrivals and result times through the "
+        "scheduler core.",
+        "",
+        "| run | load avg | TTFT p50 ms live / sim | ratio | TBT p50 ms live / sim | ratio | scale; drift | ±25% |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+        *rows,
+        f"| **median of {len(runs)}** | | | **{med('ttft_p50_ratio'):.2f}** | | **{med('tbt_p50_ratio'):.2f}** | "
+        f"{med('live_scale'):.2f} | |",
+        "",
+        "Load avg: the machine's (two cores, shared with other work) before and after a run. Scale: served over "
+        "micro-benchmark compute on the calibration traces; drift: served over calibrated compute on the calibration "
+        "traces before and after, and in parentheses on the evaluated trace itself (measured afterwards, not used). "
+        f"Served steps compute {med('live_scale'):.2f}x (median) what the micro-benchmark measured: the worker's "
+        "torch runs two threads while the gateway, the scheduler, the load client and other work take a core during "
+        f"its steps. The gap between steps is {med('step_gap_ms'):.2f} ms and the client sees its first token "
+        f"{med('client_latency_ms'):.1f} ms after the scheduler (medians). A run misses when the machine's speed "
+        "drifts during it (a drift far from 1 in parentheses); TBT attainment agrees less than the p50s: live step "
+        "times vary with the other load on the machine, simulated ones do not.",
+        "",
+    ]
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = Setting()
+    p.add_argument("--num-requests", type=int, default=d.num_requests, help="per trace (default %(default)s)")
+    p.add_argument("--rate", type=float, default=d.rate, help="requests/s, Poisson (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="the evaluated trace (default %(default)s)")
+    p.add_argument("--calib-seed", type=int, default=d.calib_seed, help="the calibration trace (default %(default)s)")
+    p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens, help="cap (default %(default)s)")
+    p.add_argument("--policy", choices=["lvf", "fcfs", "sf", "wf"], default=d.policy)
+    p.add_argument("--ttft-slo", type=float, default=d.ttft_slo, help="S_F, seconds (default %(default)s)")
+    p.add_argument("--tbt-slo", type=float, default=d.tbt_slo, help="S_B, seconds (default %(default)s)")
+    p.add_argument("--hbm-blocks", type=int, default=d.hbm_blocks, help="KV pool, blocks (default %(default)s)")
+    p.add_argument("--dram-gb", type=float, default=d.dram_gb, help="host KV pool, GiB (default %(default)s)")
+    p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--xfer-budget", type=int, default=d.xfer_budget)
+    p.add_argument(
+        "--step-model",
+        type=Path,
+        default=PROFILE_DIR / "cpu.json",
+        help="profile whose step model is scaled to served speed (default: `bench calibrate`'s, %(default)s)",
+    )
+    p.add_argument("--micro", action="store_true", help="measure that step model in the run instead (+20-60 s)")
+    p.add_argument("--json", type=Path, default=HERE / "results" / "simlive_cpu.json")
+    p.add_argument("--history", type=Path, default=HISTORY, help="append the run's summary here ('' = nowhere)")
+    p.add_argument("--profile-out", type=Path, default=None, help="also write the `cpu-live` profile here")
+    p.add_argument("--log-dir", type=Path, default=None, help="keep the server log and step trace here")
+
+
+def run(args: argparse.Namespace) -> int:
+    setting = Setting(**{k: getattr(args, k) for k in Setting.__dataclass_fields__ if hasattr(args, k)})
+    with tempfile.TemporaryDirectory(prefix="simlive-") as tmp:
+        log_dir = args.log_dir or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        res = run_once(setting, log_dir, None if args.micro else json.loads(args.step_model.read_text()))
+    print(format_table(res))
+    cal = res["calibration"]
+    same = "/".join(f"{100 * x:.0f}%" for x in cal["replay_same_samples"])
+    print(f"calibration: {describe_profile(cal['profile'])}; replayed steps sampling as live: {same}")
+    before, after = cal["ratios"]
+    print(
+        f"drift (served / calibrated compute): {before:.2f} before, {after:.2f} after the evaluated trace, "
+        f"{res['eval_ratio_unused']:.2f} on it (not used); load average {res['load'][0]:.2f} -> "
+        f"{res['load'][1]:.2f}; {res['wall_s']:.0f} s"
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(res, indent=1))
+    if args.history and args.history.name:
+        with open(args.history, "a") as f:
+            f.write(json.dumps(history_line(res)) + "\n")
+    if args.profile_out:
+        args.profile_out.write_text(calibrate.dump(cal["profile"]))
+    numbers = [res[side][k] for side in ("live", "sim") for k in ("ttft_p50_ms", "tbt_p50_ms")]
+    return 0 if all(v is not None and math.isfinite(v) for v in numbers) else 1

@@ -1,0 +1,215 @@
+"""`bench simlive`: the replay of a live run, the live terms of the profile, the comparison,
+and a tiny run against the live server."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import asdict
+
+import pytest
+
+from bench import simlive
+from bench.costmodel import PROFILE_DIR, StepWork, hardware_from_dict
+from bench.report import RequestRecord
+from bench.workload import WorkItem, arrival_times, with_arrivals
+
+PROFILE = {
+    "name": "t",
+    "notes": "test",
+    "linear": {
+        "model": "smollm2",
+        "overhead_s": 0.015,
+        "prefill_token_s": 7e-4,
+        "decode_token_s": 9e-4,
+        "kv_token_s": 3e-6,
+    },
+    "dtype_bytes": 4,
+    "pipeline": False,
+    "sched_ms": 0.0,
+    "kv_hbm_gb": 1.0,
+    "kv_dram_gb": 1.0,
+    "link": {"curve": [[12288, 2.0], [737280, 12.0], [47185920, 12.0]], "dram_gbs": 13.0},
+}
+POOLS = simlive.Pools(num_hbm_blocks=96, num_dram_blocks=2000, max_model_len=96 * 16)
+
+
+def items_of(num: int, rate: float, seed: int = 0) -> list[WorkItem]:
+    rng = random.Random(seed)
+    items = [WorkItem("", rng.randint(5, 700), rng.randint(2, 120), 0.0) for _ in range(num)]
+    return with_arrivals(items, arrival_times(num, rate, 1.0, seed))
+
+
+# ---------------------------------------------------------------- the replay
+
+
+@pytest.mark.parametrize("policy", ["lvf", "fcfs"])
+def test_replay_rederives_every_plan_of_a_simulated_run(policy, monkeypatch):
+    """The simulator plans as the live loop does; fed its arrivals and result times, the
+    replay builds the same plans (LVF under memory pressure: rotations every few steps).
+    The simulator plans at the very instant a result is back, so the replay must too."""
+    monkeypatch.setattr(simlive, "SCHEDULE_LAG_S", 0.0)
+    items = items_of(40, 3.0)
+    setting = simlive.Setting(policy=policy, hbm_blocks=POOLS.num_hbm_blocks)
+    run = simlive.simulate(items, PROFILE, setting, POOLS)
+    assert policy == "fcfs" or run.stats["num_preemptions"] > 100
+    plans = simlive.replay_plans(
+        items, [it.arrival_s for it in items], run.step_end_s, setting.scheduler_config(), POOLS
+    )
+    assert [n for _, n in plans] == run.step_num_sampled
+    assert sum(n for _, n in plans) == sum(it.output_tokens for it in items)
+
+
+def test_served_steps_scale_the_step_model_that_priced_them(monkeypatch):
+    """Steps served 2.5x slower than a known model priced them, paired with their replayed
+    work, scale that model by 2.5: the calibrated profile prices them as served."""
+    monkeypatch.setattr(simlive, "SCHEDULE_LAG_S", 0.0)
+    items = items_of(30, 2.0, seed=1)
+    setting = simlive.Setting(hbm_blocks=POOLS.num_hbm_blocks)
+    run = simlive.simulate(items, PROFILE, setting, POOLS)
+    plans = simlive.replay_plans(
+        items, [it.arrival_s for it in items], run.step_end_s, setting.scheduler_config(), POOLS
+    )
+    steps = [{"num_tokens": n, "compute_s": 2.5 * ms / 1e3} for n, ms in zip(run.step_num_sampled, run.compute_ms)]
+    samples, same = simlive.step_samples(plans, steps)
+    assert same == 1.0 and len(samples) > 100
+    scale = simlive.served_ratio(samples, PROFILE)
+    assert scale == pytest.approx(2.5)
+    prof = json.loads(json.dumps(simlive.live_profile(PROFILE, scale, gap_s=0.0005, latency_s=0.008)))
+    assert simlive.served_ratio(samples, prof) == pytest.approx(1.0)
+    hw = hardware_from_dict(prof)
+    assert (hw.step_gap_s, hw.client_latency_s, prof["live_scale"]) == pytest.approx((0.0005, 0.008, 2.5))
+    assert prof["link"] == PROFILE["link"] and PROFILE["linear"]["overhead_s"] == 0.015  # the input is kept
+
+
+def test_step_samples_pair_in_order_and_skip_empty_steps():
+    work = StepWork()
+    work.add(10, 1, True)
+    plans = [(work, 1), (StepWork(), 0), (work, 1)]
+    steps = [
+        {"num_tokens": 1, "compute_s": 0.05},
+        {"num_tokens": 0, "compute_s": 0.0001},  # drops only
+        {"num_tokens": 2, "compute_s": 0.06},  # the replay sampled 1: paired all the same
+    ]
+    samples, same = simlive.step_samples(plans, steps)
+    assert [s for _, s in samples] == [0.05, 0.06]
+    assert same == pytest.approx(2 / 3)
+
+
+# ---------------------------------------------------------------- the live terms
+
+
+def test_step_gap_counts_only_busy_steps():
+    """A step the worker had to wait for (here after an idle spell) holds no gap."""
+    steps = [
+        {"t": 0.0, "compute_s": 0.05, "transfer_wait_s": 0.0, "plan_wait_s": 0.0},
+        {"t": 0.051, "compute_s": 0.05, "transfer_wait_s": 0.0, "plan_wait_s": 0.0},  # gap 1 ms
+        {"t": 0.113, "compute_s": 0.05, "transfer_wait_s": 0.01, "plan_wait_s": 0.0},  # 2 ms
+        {"t": 5.0, "compute_s": 0.05, "transfer_wait_s": 0.0, "plan_wait_s": 4.8},  # after idle
+        {"t": 5.053, "compute_s": 0.05, "transfer_wait_s": 0.0, "plan_wait_s": 0.0},  # 3 ms
+    ]
+    assert simlive.step_gap_s(steps) == pytest.approx(0.002)
+
+
+def finished_line(rid: str, ts: str, prompt: int, output: int, ttft: float, running: float) -> str:
+    e = {"service": "scheduler", "event": "request_finished", "request_id": rid, "timestamp": ts, "ttft_s": ttft}
+    e |= {"num_prompt_tokens": prompt, "num_output_tokens": output, "waiting_s": 0.5, "rotary_s": 0.0}
+    return json.dumps(e | {"running_s": running})
+
+
+def test_requests_match_the_scheduler_log_in_arrival_order(tmp_path):
+    """Two requests with the same lengths pair in the order they arrived; gateway lines and
+    lines from outside the window are ignored."""
+    log = tmp_path / "serve.log"
+    lines = [
+        "not json: a traceback line",
+        finished_line("a", "2026-01-01T00:00:10+00:00", 50, 8, 0.30, 9.0),  # arrived at 0.5 s
+        finished_line("b", "2026-01-01T00:00:06+00:00", 50, 8, 0.20, 3.0),  # arrived at 2.5 s
+        finished_line("c", "2026-01-01T00:00:09+00:00", 70, 8, 0.40, 4.0),  # arrived at 4.5 s
+        finished_line("old", "2026-01-01T00:00:00+00:00", 70, 8, 0.1, 0.0),  # before the window
+        json.dumps({"service": "gateway", "event": "request_finished", "request_id": "a", "ttft_s": 0.31}),
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    t0 = 1767225600.0  # 2026-01-01T00:00:00Z
+    finishes = simlive.scheduler_finishes(log, t0 + 0.1, t0 + 20)
+    assert sorted(e["request_id"] for e in finishes) == ["a", "b", "c"]
+    assert min(e["arrival"] for e in finishes) == pytest.approx(t0 + 0.5)
+    records = [
+        RequestRecord(ok=True, ttft_s=0.41, prompt_tokens=70, output_tokens=8, start_s=4.49),
+        RequestRecord(ok=True, ttft_s=0.31, prompt_tokens=50, output_tokens=8, start_s=0.49),
+        RequestRecord(ok=True, ttft_s=0.22, prompt_tokens=50, output_tokens=8, start_s=2.49),
+        RequestRecord(ok=False, prompt_tokens=50, output_tokens=0, start_s=3.0),
+    ]
+    matched = simlive.match_requests(records, finishes)
+    assert {i: e["request_id"] for i, e in matched.items()} == {0: "c", 1: "a", 2: "b"}
+    assert sorted(simlive.client_latencies(records, matched)) == pytest.approx([0.01, 0.01, 0.02])
+
+
+# ---------------------------------------------------------------- the simulator's live terms
+
+
+def test_sim_charges_the_step_gap_and_the_client_latency():
+    """One request alone: every step starts `gap` after the previous one (the first after
+    the idle worker too), and the client sees its tokens `latency` later."""
+    items = [WorkItem("", 100, 6, 0.0)]
+    setting = simlive.Setting(hbm_blocks=POOLS.num_hbm_blocks)
+    bare = simlive.simulate(items, PROFILE, setting, POOLS).records[0]
+    measured = PROFILE | {"step_gap_ms": 4.0, "client_latency_ms": 20.0}
+    live = simlive.simulate(items, measured, setting, POOLS).records[0]
+    assert live.ttft_s - bare.ttft_s == pytest.approx(0.004 + 0.02)
+    assert [b - a for a, b in zip(bare.tbt_s, live.tbt_s)] == pytest.approx([0.004] * 5)
+
+
+def test_compare_flags_each_p50():
+    live = dict.fromkeys(simlive.KEYS, 100.0)
+    sim = dict.fromkeys(simlive.KEYS, 100.0) | {"ttft_p50_ms": 130.0, "tbt_p50_ms": 80.0, "tbt_p99_ms": None}
+    cmp = simlive.compare(live, sim)
+    assert (cmp["ttft_p50_ratio"], cmp["tbt_p50_ratio"], cmp["tbt_p99_ratio"]) == pytest.approx((1.3, 0.8, None))
+    assert cmp["within"] == {"ttft_p50_ratio": False, "tbt_p50_ratio": True}
+    assert cmp["within_25pct"] is False
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow  # starts the server and serves two small traces (~25 s)
+def test_tiny_run_gives_live_and_simulated_numbers(tmp_path):
+    setting = simlive.Setting(num_requests=6, rate=2.0, max_output_tokens=12, hbm_blocks=64)
+    res = simlive.run_once(setting, tmp_path, micro=json.loads((PROFILE_DIR / "cpu.json").read_text()))
+    for side in ("live", "sim"):
+        assert res[side]["completed"] == 6
+        for key in ("ttft_p50_ms", "tbt_p50_ms"):
+            assert math.isfinite(res[side][key]) and res[side][key] > 0, (side, key)
+    cal = res["calibration"]
+    assert cal["num_matched"] == 6 and min(cal["num_live_steps"]) > 5  # two calibration traces of 3
+    assert cal["profile"]["live_scale"] > 0 and cal["profile"]["client_latency_ms"] > 0
+    assert all(r > 0 for r in cal["ratios"]) and res["eval_ratio_unused"] > 0
+    assert isinstance(res["within_25pct"], bool) and res["ttft_p50_ratio"] > 0
+    assert "tbt_p50_ms" in simlive.format_table(res)
+
+
+def test_markdown_shows_the_latest_setting_runs_and_their_medians():
+    runs = []
+    for i, (ttft, tbt) in enumerate(((1.1, 0.9), (0.8, 1.0), (1.0, 1.2))):
+        res = {
+            "setting": {**asdict(simlive.Setting()), "seed": 0 if i else 7},
+            "load": [1.0, 2.0],
+            "live": {"ttft_p50_ms": 1000.0, "tbt_p50_ms": 50.0},
+            "sim": {"ttft_p50_ms": 1000.0 * ttft, "tbt_p50_ms": 50.0 * tbt},
+            "ttft_p50_ratio": ttft,
+            "tbt_p50_ratio": tbt,
+            "within_25pct": True,
+            "eval_ratio_unused": 1.1,
+            "calibration": {
+                "profile": {"live_scale": 2.5, "step_gap_ms": 0.2, "client_latency_ms": 8.0},
+                "ratios": [1.0, 1.0],
+            },
+        }
+        res["live"] |= dict.fromkeys(simlive.ATTAIN, 0.5)
+        res["sim"] |= dict.fromkeys(simlive.ATTAIN, 0.5)
+        runs.append(json.loads(json.dumps(simlive.history_line(res))))
+    text = "\n".join(simlive.markdown(runs))
+    assert text.count("| 20") == 2  # the first run had another setting
+    assert "**median of 2**" in text and "**0.90**" in text and "**1.10**" in text
+    assert "Not measured" in "\n".join(simlive.markdown([]))
