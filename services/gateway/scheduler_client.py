@@ -307,8 +307,8 @@ class SchedulerClient:
             return
         at_scheduler = handle.wire_id in self._pending
         self._forget(handle)
-        if at_scheduler:
-            self._send(handle.link, AbortRequest(request_id=handle.wire_id))
+        if at_scheduler and not self._send(handle.link, AbortRequest(request_id=handle.wire_id)):
+            handle.link.abandoned.add(handle.wire_id)  # told when it is heard from again
 
     def _forget(self, handle: RequestHandle) -> None:
         self._handles.pop(handle.request_id, None)
