@@ -132,10 +132,9 @@ class WorkerService:
         received (they came first: a new connection follows the old one's close by the
         reconnect interval)."""
         loop = asyncio.get_running_loop()
-        monitor = self.handshakes
         poller = zmq.asyncio.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        poller.register(self.handshakes, zmq.POLLIN)
         self.log.info("worker up", hbm_blocks=self.ready.num_hbm_blocks, device=self.ready.device)
         plans: queue.SimpleQueue = queue.SimpleQueue()
         results: asyncio.Queue = asyncio.Queue()
@@ -148,14 +147,14 @@ class WorkerService:
             events = dict(await poller.poll(100))
             if self.sock in events:
                 await self._receive_plans(plans)
-            if monitor in events:
-                await monitor.recv_multipart()
+            if self.handshakes in events:
+                await self.handshakes.recv_multipart()
                 self.log.info("scheduler connected; resetting")
                 plans.put((RESET, time.perf_counter()))
         plans.put(None)
         sender.cancel()
         self.sock.disable_monitor()
-        monitor.close(linger=0)
+        self.handshakes.close(linger=0)
         self.sock.close()
         self.ctx.term()
 
