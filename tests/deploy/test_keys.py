@@ -107,8 +107,8 @@ def secret_files(volume: dict, key_files: Path) -> dict[str, Path]:
     return {i["path"]: key_files / i["key"] for i in items}
 
 
-def k8s_services(docs: list[dict], key_files: Path, scratch: Path) -> list[Service]:
-    services = []
+def k8s_containers(docs: list[dict]):
+    """(where, pod, volumes by name, container, env, parsed args) for every container of a pod."""
     for doc in docs:
         pod = doc.get("spec", {}).get("template", {}).get("spec")
         if pod is None:
@@ -117,38 +117,36 @@ def k8s_services(docs: list[dict], key_files: Path, scratch: Path) -> list[Servi
         for container in pod["containers"]:
             where = f"{doc['kind']}/{doc['metadata']['name']}/{container['name']}"
             env = container_env(container, docs)
-            args = parse_in_env(container_argv(container, docs), env)
-            if args.command not in ZMQ_SERVICES:
-                continue
-            keys = None
-            if args.zmq_keys:
-                mount = key_mount(container, args.zmq_keys)
-                files = secret_files(volumes[mount["name"]], key_files) if mount else {}
-                keys = project(files, scratch / where) if mount else scratch / where / "not-mounted"
-            services.append(Service(where, args, env, keys))
+            yield where, pod, volumes, container, env, parse_in_env(container_argv(container, docs), env)
+
+
+def k8s_services(docs: list[dict], key_files: Path, scratch: Path) -> list[Service]:
+    services = []
+    for where, _, volumes, container, env, args in k8s_containers(docs):
+        if args.command not in ZMQ_SERVICES:
+            continue
+        keys = None
+        if args.zmq_keys:
+            mount = key_mount(container, args.zmq_keys)
+            files = secret_files(volumes[mount["name"]], key_files) if mount else {}
+            keys = project(files, scratch / where) if mount else scratch / where / "not-mounted"
+        services.append(Service(where, args, env, keys))
     return services
 
 
 def test_k8s_key_volumes_are_the_operators_secret_read_only(rendered):
     _, docs = rendered
-    for doc in docs:
-        pod = doc.get("spec", {}).get("template", {}).get("spec")
-        if pod is None:
-            continue
-        volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        for container in pod["containers"]:
-            args = parse_in_env(container_argv(container, docs), container_env(container, docs))
-            where = f"{doc['kind']}/{doc['metadata']['name']}/{container['name']}"
-            assert args.zmq_keys, f"{where} has no keys: its scheduler binds off loopback"
-            mount = key_mount(container, args.zmq_keys)
-            assert mount, f"{where}: nothing mounted at {args.zmq_keys}"
-            assert mount.get("readOnly") is True and "subPath" not in mount, where  # subPath: no key rotation
-            secret = volumes[mount["name"]]["secret"]
-            assert secret["secretName"] == KEYS_SECRET and not secret.get("optional"), where
-            assert secret.get("defaultMode") == KEYS_MODE, where
-            assert all("mode" not in item for item in secret.get("items", [])), where
-            # 0440 files of group fsGroup: readable by the image's user and no one else
-            assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"] == image_uid(), where
+    for where, pod, volumes, container, _, args in k8s_containers(docs):
+        assert args.zmq_keys, f"{where} has no keys: its scheduler binds off loopback"
+        mount = key_mount(container, args.zmq_keys)
+        assert mount, f"{where}: nothing mounted at {args.zmq_keys}"
+        assert mount.get("readOnly") is True and "subPath" not in mount, where  # subPath: no key rotation
+        secret = volumes[mount["name"]]["secret"]
+        assert secret["secretName"] == KEYS_SECRET and not secret.get("optional"), where
+        assert secret.get("defaultMode") == KEYS_MODE, where
+        assert all("mode" not in item for item in secret.get("items", [])), where
+        # 0440 files of group fsGroup: readable by the image's user and no one else
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"] == image_uid(), where
     assert not [d for d in docs if d["kind"] == "Secret"]  # the operator creates it
 
 
