@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _worker_args(p)
     p.add_argument("--connect", default=config.DEFAULT_WORKER_ADDR, help="the scheduler's worker address")
+    p.add_argument(
+        "--worker-id", default=None, help="this worker's name in the scheduler's load reports (default: random)"
+    )
     zmqsec.add_keys_arg(p)
 
     admin_cli.add_commands(sub)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import urllib.error
 import urllib.request
 from collections import deque
@@ -54,39 +55,31 @@ class RestartBudget:
 
 
 class HungWatch:
-    """Decides when a running worker is hung: it was ready, then the scheduler reported it
-    not ready (it lost it: a step result overdue) for `HUNG_KILL_S`.
+    """Decides when a running worker is hung: the scheduler reported it ready, then stopped
+    (it lost it: a step result overdue) for `HUNG_KILL_S`. /health names the ready worker
+    (`worker_id`), and the supervisor gives every worker it starts a new id, so the readiness
+    of a worker that was just replaced is never taken for its successor's."""
 
-    Readiness is per worker instance, but /health does not say which instance is ready:
-    just after a restart it may still show the old one as ready until the scheduler
-    notices. So a restarted worker counts as ready once /health has gone unready and back,
-    or once it has run longer than twice the first worker's start-up time."""
+    def __init__(self, worker_id: str = "") -> None:
+        self.new_worker(worker_id)
 
-    def __init__(self, now: float) -> None:
-        self.spawned_at = now
-        self.startup_s: float | None = None  # the first worker's spawn -> ready
-        self.seen_unready = True  # nothing is ready before the first worker reports
+    def new_worker(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.reset()
+
+    def reset(self) -> None:
+        """Conclude nothing until the worker is reported ready again."""
         self.seen_ready = False
         self.unready_since: float | None = None
 
-    def restarted(self, now: float) -> None:
-        self.spawned_at = now
-        self.seen_unready = self.seen_ready = False
-        self.unready_since = None
-
-    def observe(self, worker_ready: bool | None, now: float) -> None:
-        if worker_ready is None:  # the gateway did not answer: nothing to conclude
+    def observe(self, ready_ids: set[str] | None, now: float) -> None:
+        """`ready_ids`: the workers /health reports ready; None when the gateway did not answer."""
+        if ready_ids is None:  # nothing to conclude
             return
-        if not worker_ready:
-            self.seen_unready = True
-            if self.seen_ready and self.unready_since is None:
-                self.unready_since = now
-            return
-        self.unready_since = None
-        if self.startup_s is None:
-            self.startup_s = now - self.spawned_at
-        if self.seen_unready or now - self.spawned_at > 2 * self.startup_s:
-            self.seen_ready = True
+        if self.worker_id in ready_ids:
+            self.seen_ready, self.unready_since = True, None
+        elif self.seen_ready and self.unready_since is None:
+            self.unready_since = now
 
     def hung(self, now: float, after_s: float = HUNG_KILL_S) -> bool:
         return self.unready_since is not None and now - self.unready_since > after_s
@@ -138,11 +131,20 @@ def serve(args: argparse.Namespace) -> int:
 
     # The admin token travels in the environment, not on a command line others can read.
     envs = {"scheduler": dict(os.environ, **{cli.admin_cli.TOKEN_ENV: args.admin_token})} if args.admin_token else {}
-    children = {name: subprocess.Popen(cmd, env=envs.get(name)) for name, cmd in commands.items()}
+    watch = HungWatch()
+
+    def spawn(name: str) -> subprocess.Popen:
+        cmd = commands[name]
+        if name == "worker":  # a new id per worker process, for the hung-worker watch
+            watch.new_worker(uuid.uuid4().hex[:12])
+            cmd = [*cmd, "--worker-id", watch.worker_id]
+        return subprocess.Popen(cmd, env=envs.get(name))
+
+    children = {name: spawn(name) for name in commands}
     log.info("started", pids={n: c.pid for n, c in children.items()}, run_dir=run_dir, admin=args.admin_bind)
     url = f"http://{args.host}:{args.port}"
     ready = False
-    budget, watch = RestartBudget(), HungWatch(time.monotonic())
+    budget = RestartBudget()
     next_probe = 0.0
     rc = 0
     try:
@@ -156,8 +158,8 @@ def serve(args: argparse.Namespace) -> int:
                 break
             for name in dead:
                 log.warning("child exited; restarting it", child=name, returncode=dead[name])
-                children[name] = subprocess.Popen(commands[name], env=envs.get(name))
-                watch.restarted(now)
+                children[name] = spawn(name)
+                watch.reset()  # whichever child it was: wait until the worker is ready again
             if now >= next_probe:
                 next_probe = now + PROBE_INTERVAL_S
                 health = _health(url)
@@ -168,7 +170,7 @@ def serve(args: argparse.Namespace) -> int:
                 if watch.hung(now):
                     log.error("worker hung (the scheduler lost it); killing it", pid=children["worker"].pid)
                     children["worker"].kill()
-                    watch.restarted(now)
+                    watch.reset()  # it is restarted on the next pass
             time.sleep(0.2)
     finally:
         _stop_all(children, log)
@@ -176,10 +178,10 @@ def serve(args: argparse.Namespace) -> int:
     return rc
 
 
-def _health(url: str) -> tuple[bool, bool | None] | None:
-    """(healthy, worker ready), or None when the gateway does not answer. /health lists
-    only schedulers with a ready worker, so an answer with none means the worker is not
-    ready (or the scheduler is gone, which the supervisor sees as an exit)."""
+def _health(url: str) -> tuple[bool, set[str]] | None:
+    """(healthy, the ids of the ready workers), or None when the gateway does not answer.
+    /health lists only schedulers with a ready worker, so an answer with none means the
+    worker is not ready (or the scheduler is gone, which the supervisor sees as an exit)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=0.5) as resp:
             body = json.loads(resp.read())
@@ -192,7 +194,7 @@ def _health(url: str) -> tuple[bool, bool | None] | None:
     except (OSError, ValueError):
         return None
     schedulers = body.get("schedulers") or []
-    return status == 200, any(s.get("worker_ready") for s in schedulers)
+    return status == 200, {s.get("worker_id") for s in schedulers if s.get("worker_ready")}
 
 
 def _stop_all(children: dict[str, subprocess.Popen], log) -> None:

@@ -130,6 +130,7 @@ class SchedulerStats(_Msg, tag="stats"):
     num_blocks_mirrored: int = 0
     worker_ready: bool = True
     draining: bool = False  # admits no new requests
+    worker_id: str = ""  # the ready worker's `WorkerReady.worker_id`
 
 
 GatewayReply = StepOutputs | RequestError | SchedulerStats
@@ -184,6 +185,7 @@ class WorkerReady(_Msg, tag="ready"):
     device: str
     block_bytes: int = 0  # bytes of one KV block (all layers, K and V)
     vocab_size: int = 0  # 0: not reported (prompt ids are then not checked)
+    worker_id: str = ""  # this worker process (new with every start)
 
 
 class StepTimings(_Data):

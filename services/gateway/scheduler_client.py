@@ -263,9 +263,13 @@ class SchedulerClient:
 
     def pick(self) -> SchedulerLink:
         """The live scheduler with the most SLO headroom (lowest `headroom_score`); among
-        equal scores, the next in round-robin order. 503 when none is reachable."""
+        equal scores, the next in round-robin order. 503 when none is reachable, or none has
+        a ready worker."""
         link = self._best()
         if link is None:
+            now = time.monotonic()
+            if any(link.is_live(now) for link in self.links):
+                raise unavailable("no model worker is ready (starting or restarting); retry shortly")
             raise unavailable("no scheduler is reachable; retry shortly")
         return link
 

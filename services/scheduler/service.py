@@ -458,6 +458,7 @@ class SchedulerService:
             max_model_len=w.max_model_len if w else 0,
             worker_ready=self.core is not None,
             draining=self.draining,
+            worker_id=w.worker_id if w and self.core else "",
             **{k: counts.get(k, 0) for k in _STATS_COUNTS},
         )
 

@@ -18,6 +18,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 
 import msgspec
 import torch
@@ -227,6 +228,7 @@ def build_worker(
         device=str(device) if group is None else f"{device} x{num_ranks}",
         block_bytes=spec.block_bytes * num_ranks,
         vocab_size=cfg.vocab_size,
+        worker_id=args.worker_id or uuid.uuid4().hex[:12],
     )
     return runner, engine, ready
 

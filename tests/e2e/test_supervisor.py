@@ -82,6 +82,32 @@ def test_dead_gateway_is_restarted_and_leaves_no_orphans(tmp_path):
         assert server.stop() == 0
 
 
+def test_hung_worker_is_killed_and_replaced(tmp_path):
+    """A stopped (SIGSTOP) worker mid-stream: the scheduler declares it lost, the supervisor
+    sees the worker it started stay unready, kills it and starts another, which serves."""
+    server = start_server(tmp_path)
+    try:
+        kids = {role_of(k): k for k in children_of(server.proc.pid)}
+        ready_id = server.scheduler_stats()["worker_id"]
+        assert ready_id in Path(f"/proc/{kids['worker']}/cmdline").read_bytes().decode(errors="replace")
+        body = {"model": server.model, "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(
+            server.base_url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as stream:
+            stream.readline()  # tokens are flowing
+            os.kill(kids["worker"], signal.SIGSTOP)
+            assert wait_for(lambda: "worker hung" in server.log_tail(200), timeout=30), server.log_tail()
+        assert wait_for(lambda: not alive(kids["worker"]), timeout=10)
+        assert wait_for(server.healthy, timeout=60), server.log_tail()  # until then: 503 + Retry-After
+        assert _complete(server)["usage"]["completion_tokens"] == 4, server.log_tail()
+        now = {role_of(k): k for k in children_of(server.proc.pid)}
+        assert now["worker"] != kids["worker"]
+        assert server.scheduler_stats()["worker_id"] not in ("", ready_id)
+    finally:
+        assert server.stop() == 0
+
+
 def _complete(server) -> dict:
     """One small completion; it waits at the scheduler while the new worker loads."""
     body = {"model": server.model, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}

@@ -13,46 +13,44 @@ def test_restart_budget_allows_a_few_per_window_then_gives_up():
 
 
 def test_hung_watch_kills_only_a_worker_that_was_ready_and_stayed_unready():
-    watch = HungWatch(0.0)
-    watch.observe(False, 1.0)  # still loading: never ready yet
+    watch = HungWatch("w1")
+    watch.observe(set(), 1.0)  # still loading: never ready yet
     assert not watch.hung(100.0)
-    watch.observe(True, 10.0)  # start-up took 10 s
-    watch.observe(False, 102.0)
+    watch.observe({"w1"}, 10.0)
+    watch.observe(set(), 102.0)  # the scheduler lost it
     assert not watch.hung(102.0 + HUNG_KILL_S - 0.1)
     watch.observe(None, 103.0)  # the gateway did not answer: no conclusion either way
     assert watch.hung(102.0 + HUNG_KILL_S + 0.1)
 
 
 def test_hung_watch_does_not_take_the_old_workers_readiness_for_the_new_one():
-    watch = HungWatch(0.0)
-    watch.observe(True, 10.0)
-    watch.restarted(200.0)
-    watch.observe(True, 201.0)  # the scheduler has not noticed the old one died yet
-    watch.observe(False, 202.0)  # now it has; the new worker is loading
+    watch = HungWatch("w1")
+    watch.observe({"w1"}, 10.0)
+    watch.new_worker("w2")
+    watch.observe({"w1"}, 201.0)  # the scheduler has not noticed the old one died yet
+    watch.observe(set(), 202.0)  # now it has; the new worker is loading
     assert not watch.hung(215.0)
-    watch.observe(True, 211.0)  # the new worker is ready
-    watch.observe(False, 300.0)
+    watch.observe({"w2"}, 220.0)  # the new worker is ready
+    watch.observe({"w1"}, 300.0)  # only a stale report names the old one: not the new one's
     assert watch.hung(300.0 + HUNG_KILL_S + 0.1)
 
 
-def test_hung_watch_trusts_a_restarted_worker_after_twice_the_start_up_time():
-    watch = HungWatch(0.0)
-    watch.observe(True, 10.0)
-    watch.restarted(100.0)
-    watch.observe(True, 110.0)  # no unready gap seen: not yet trusted
-    watch.observe(False, 111.0)
-    assert not watch.hung(200.0)
-    watch.restarted(300.0)
-    watch.observe(True, 321.0)  # ran longer than 2 x 10 s: this is the new one
-    watch.observe(False, 330.0)
-    assert watch.hung(330.0 + HUNG_KILL_S + 0.1)
+def test_hung_watch_waits_for_the_worker_again_after_another_child_restarts():
+    watch = HungWatch("w1")
+    watch.observe({"w1"}, 10.0)
+    watch.reset()  # the scheduler restarted: the same worker reconnects and resets
+    watch.observe(set(), 11.0)
+    assert not watch.hung(100.0)
+    watch.observe({"w1"}, 101.0)
+    watch.observe(set(), 102.0)
+    assert watch.hung(102.0 + HUNG_KILL_S + 0.1)
 
 
 def test_hung_watch_forgets_a_pause_that_ended():
-    watch = HungWatch(0.0)
-    watch.observe(True, 5.0)
-    watch.observe(False, 6.0)
-    watch.observe(True, 7.0)
+    watch = HungWatch("w1")
+    watch.observe({"w1"}, 5.0)
+    watch.observe(set(), 6.0)
+    watch.observe({"w1"}, 7.0)
     assert not watch.hung(100.0)
 
 

@@ -140,7 +140,12 @@ def test_silent_or_not_ready_schedulers_leave_the_rotation_and_come_back(tmp_pat
         time.sleep(0.4)  # no report from either
         with pytest.raises(ApiError) as e:
             peers.client.pick()
-        assert e.value.status == 503
+        assert e.value.status == 503 and "no scheduler is reachable" in str(e.value)
+        peers.report(1, stats(64, worker_ready=False))  # reachable, its worker is not
+        with pytest.raises(ApiError) as e:
+            peers.client.pick()
+        assert e.value.status == 503 and "no model worker is ready" in str(e.value)
+        assert e.value.retry_after_s
         peers.report(1, stats(64))  # its worker is back
         assert peers.client.pick() is peers.client.links[1]
         peers.report(0, stats(64))
