@@ -22,9 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import urllib.error
 import urllib.request
+import uuid
 from collections import deque
 
 from shared import config
