@@ -131,6 +131,9 @@ class SchedulerStats(_Msg, tag="stats"):
     worker_ready: bool = True
     draining: bool = False  # admits no new requests
     worker_id: str = ""  # the ready worker's `WorkerReady.worker_id`
+    # Waiting or rotary requests the last step could have run and left out (requests that
+    # arrived since are not counted: they have not had their chance yet).
+    num_queued: int = 0
 
 
 GatewayReply = StepOutputs | RequestError | SchedulerStats

@@ -114,13 +114,14 @@ def headroom_score(stats: SchedulerStats, num_unreported: int = 0, num_unreporte
     """How close a scheduler is to missing its SLOs; lower means more headroom.
 
         score = queued + batch + memory
-        queued = num_waiting + num_rotary                       requests that cannot run now
+        queued = num_queued                                     requests the last step left out
         batch  = (num_running + num_unreported) / BATCH_SLOTS   share of the step's batch
         memory = (used HBM blocks + num_unreported_blocks) / num_hbm_blocks
 
-    A queued request means the scheduler has no room this step (it waits behind the token
-    budget, the batch limit or HBM), so each one weighs as much as a full HBM pool: a new
-    request goes where nothing waits first. Among schedulers with nothing queued, the
+    A queued request means the scheduler had no room for it in its last step (it waits
+    behind the token budget, the batch limit or HBM), so each one weighs as much as a full
+    HBM pool: a new request goes where nothing waits first. A request that merely arrived
+    since the last step is not queued: it has not had its chance yet. Among schedulers with nothing queued, the
     running batch (step time, hence TBT) and HBM use (how soon rotation starts) decide, so a
     smaller pool fills sooner and gets less. Requests this gateway sent since the last report
     ("unreported") count as running with their prompt's blocks, so a burst between two
@@ -128,7 +129,7 @@ def headroom_score(stats: SchedulerStats, num_unreported: int = 0, num_unreporte
     scheduler is picked only when every other one is gone (it then answers 503 itself)."""
     if stats.draining:
         return DRAINING_SCORE
-    queued = stats.num_waiting + stats.num_rotary
+    queued = stats.num_queued
     batch = (stats.num_running + num_unreported) / BATCH_SLOTS
     used = stats.num_hbm_blocks - stats.num_free_hbm_blocks + num_unreported_blocks
     return queued + batch + used / max(1, stats.num_hbm_blocks)

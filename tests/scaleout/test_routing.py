@@ -28,6 +28,8 @@ def stats(num_hbm_blocks: int, num_free: int | None = None, **counts) -> Schedul
         num_running=counts.get("num_running", 0), num_rotary=counts.get("num_rotary", 0),
         num_hbm_blocks=num_hbm_blocks, num_free_hbm_blocks=num_hbm_blocks if num_free is None else num_free,
         num_dram_blocks=100, num_free_dram_blocks=100, worker_ready=counts.get("worker_ready", True),
+        # Unless a test says otherwise, its waiting and rotary requests were left out by a step.
+        num_queued=counts.get("num_queued", counts.get("num_waiting", 0) + counts.get("num_rotary", 0)),
     )
 
 
@@ -78,6 +80,8 @@ def test_score_orders_queued_then_batch_and_memory():
     assert headroom_score(stats(512, 500, num_waiting=1)) > headroom_score(stats(12, 2, num_running=3))
     assert headroom_score(stats(512, 500, num_waiting=1)) < headroom_score(stats(12, 0, num_running=20))
     assert headroom_score(stats(512, 500, num_rotary=1)) > headroom_score(stats(512, 0))
+    # A request that arrived since the last step has not been left out: it is not queued.
+    assert headroom_score(stats(512, 500, num_waiting=1, num_queued=0)) < headroom_score(stats(12, 2, num_running=3))
     # Same requests running: the smaller pool is the more loaded one.
     assert headroom_score(stats(12, 6, num_running=2)) > headroom_score(stats(512, 506, num_running=2))
     # Unreported requests count like running ones with their blocks.

@@ -180,3 +180,19 @@ def test_requests_resumed_after_a_worker_loss_are_never_refused(tmp_path):
         assert rig.gateway.finished == {rid: "length" for rid in rids}
 
     asyncio.run(run_rig(tmp_path, scenario, max_waiting_tokens=45, step_timeout_s=0.3))
+
+
+def test_queued_counts_only_requests_a_step_left_out():
+    """The load report's `num_queued`: a request that arrived since the last step has not
+    had its chance yet; one the step could not fit (here: the 8-block pool) has."""
+    core = make_core("fcfs", num_hbm=8)
+    add(core, "a", 40, 4)  # 3 blocks
+    add(core, "b", 40, 4)
+    assert core.stats()["num_queued"] == 0  # both just arrived
+    core.schedule(0.0)
+    add(core, "c", 40, 4)  # a and b fit (6 blocks), c has not been planned yet
+    assert (core.stats()["num_waiting"], core.stats()["num_queued"]) == (1, 0)
+    core.schedule(0.1)  # c's 3 blocks do not fit in the 2 left
+    assert (core.stats()["num_waiting"], core.stats()["num_queued"]) == (1, 1)
+    core.abort_request("c", 0.2)
+    assert core.stats()["num_queued"] == 0

@@ -42,6 +42,7 @@ class SchedulerCore:
         self.pending_drops: list[str] = []
         self.step_id = 0
         self.last_step: Step | None = None
+        self.num_left_out = 0  # waiting + rotary requests the last step could have run and did not
         self.num_demand_blocks = 0
         self._seq = itertools.count()
         self.num_preemptions = 0
@@ -168,6 +169,7 @@ class SchedulerCore:
         for req in step.scheduled:
             self._track_demand(req)
         self.last_step = step
+        self.num_left_out = len(self.q_waiting) + len(self.q_rotary)
         busy = step.scheduled or step.num_moved or step.num_preempted or self.pending_drops
         return self._build_plan(step) if busy else None
 
@@ -267,6 +269,8 @@ class SchedulerCore:
             "num_waiting": len(self.q_waiting),
             "num_running": len(self.running),
             "num_rotary": len(self.q_rotary),
+            # Queued: left out by the last step (arrivals since have not had their chance yet).
+            "num_queued": min(self.num_left_out, len(self.q_waiting) + len(self.q_rotary)),
             "num_hbm_blocks": m.hbm.num_blocks,
             "num_free_hbm_blocks": m.hbm.num_free,
             "num_dram_blocks": m.dram.num_blocks,
