@@ -57,6 +57,11 @@ class Server:
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
+    def logged(self, text: str) -> bool:
+        """Whether any service has logged `text` since the server started (the whole log:
+        under load the line may be far from the tail)."""
+        return text in self.log_path.read_text(errors="replace")
+
     def stop(self, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

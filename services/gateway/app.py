@@ -103,9 +103,11 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     req = decode_request(body, ep.request_type)
     params.check_supported(req)
     model = _check_model(req.model, state)
-    link = state.client.pick()
     # Off the event loop: a long prompt takes a while, and every stream's next token waits on the loop.
     prompt_ids = await asyncio.to_thread(ep.prompt_ids, req, state.tokenizer)
+    # Picked after that await, and nothing awaits from here to submit(): a scheduler lost
+    # meanwhile is out of the choice, never handed a request it can no longer answer.
+    link = state.client.pick()
     max_len = state.max_model_len(link.stats.max_model_len)
     prep = params.prepare(req, prompt_ids, max_len, state.tokenizer.stop_token_ids)
     add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)

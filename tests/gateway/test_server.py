@@ -4,12 +4,14 @@ scheduler, API keys, and a prompt, clean stop on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -127,3 +129,49 @@ def test_sigterm_stops_the_process_quickly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_scheduler_lost_while_the_prompt_is_tokenized_is_503_not_500(tmp_path, monkeypatch):
+    """The only scheduler's connection closes while a request's prompt is being tokenized
+    (off the event loop): the request is refused as unavailable, not failed with a 500."""
+    from services.gateway import app
+    from shared.protocol import GatewayHello
+
+    from .test_scheduler_client import STATS, Peer
+
+    tokenizing, release = threading.Event(), threading.Event()
+
+    def slow_prompt_ids(req, tokenizer):
+        tokenizing.set()
+        release.wait(10)
+        return app.params.completion_prompt_ids(req, tokenizer)
+
+    monkeypatch.setattr(app, "COMPLETION", dataclasses.replace(app.COMPLETION, prompt_ids=slow_prompt_ids))
+    port, addr = free_port(), f"ipc://{tmp_path}/s.sock"
+    url = f"http://127.0.0.1:{port}"
+
+    async def go():
+        peer, stop = Peer(addr), asyncio.Event()
+        gateway = asyncio.create_task(serve("127.0.0.1", port, [addr], None, stop=stop))
+        try:
+            await peer.recv_until(GatewayHello)
+            await peer.send(STATS)
+            await wait_listening(url)
+            async with aiohttp.ClientSession() as s:
+                post = asyncio.create_task(s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
+                while not tokenizing.is_set():
+                    await asyncio.sleep(0.01)
+                peer.close()  # the gateway's socket monitor reports the closed connection
+                while (await s.get(url + "/health")).status != 503:
+                    await asyncio.sleep(0.01)
+                release.set()
+                async with await post as resp:
+                    body = await resp.json()
+                    assert resp.status == 503, body
+                    assert body["error"]["type"] == "service_unavailable"
+        finally:
+            release.set()
+            stop.set()
+            await gateway
+
+    asyncio.run(asyncio.wait_for(go(), 60))
