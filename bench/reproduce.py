@@ -382,16 +382,17 @@ def simlive_section(results: Path) -> list[str]:
     return simlive.markdown(runs)
 
 
-def by_hbm(rows: list[dict]) -> dict[int, list[dict]]:
+def operating_points(res: dict) -> dict[int, list[dict]]:
+    """HBM blocks -> that Fig. 16's rows: the profile's pool first, then the cut ones."""
     out: dict[int, list[dict]] = {}
-    for r in rows:
+    for r in [*res["fig16"], *res["fig16_pressure"]]:
         out.setdefault(r["num_hbm_blocks"], []).append(r)
     return out
 
 
 def render_pressure(res: dict) -> list[str]:
     """Fig. 16 with less HBM, and LVF's leads at every operating point."""
-    points = {res["fig16"][0]["num_hbm_blocks"]: res["fig16"], **by_hbm(res["fig16_pressure"])}
+    points = operating_points(res)
     L = [
         "## Fig. 16 under more memory pressure",
         "",
@@ -595,8 +596,8 @@ def pressure_bullet(points: dict[int, list[dict]], top: dict, worst_wf: float) -
         f"requests that meet the TBT SLO on every gap ({pct(wf_r['tbt_request_attainment'])} for WF, "
         f"{pct(lvf_r['tbt_request_attainment'])} for LVF there) and in the median end-to-end latency "
         f"({wf_r['e2e_p50_ms'] / 1e3:.1f} s vs {lvf_r['e2e_p50_ms'] / 1e3:.1f} s). LVF instead gives a "
-        "paused request that has emitted tokens α = 3 times the urgency of a waiting one (VLT), so under sustained "
-        "pressure it serves paused requests first."
+        f"paused request that has emitted tokens α = {lvf_r['alpha']:g} times the urgency of a waiting one (VLT), so "
+        "under sustained pressure it serves paused requests first."
     )
 
 
@@ -612,7 +613,7 @@ def discussion(res: dict, hi: float) -> list[str]:
     same = all(r["ttft_attainment"] == at(r16, r["policy"], r["rate"])["ttft_attainment"] for r in res["fig16_systems"])
     rot = lvf["num_preemptions"] / max(lvf["num_steps"], 1)
     k = res["knobs"]
-    points = {r16[0]["num_hbm_blocks"]: r16, **by_hbm(res["fig16_pressure"])}
+    points = operating_points(res)
     top = {  # baseline -> (LVF's largest lead over it at any rate and HBM size, rate, HBM blocks)
         b: max((*best_lead(rows, (b,))[:2], blocks) for blocks, rows in points.items()) for b in BASELINES
     }
