@@ -1,4 +1,5 @@
-"""Start `superinfer serve` as a subprocess on loopback and wait until it is healthy.
+"""Start `superinfer serve` as a subprocess on loopback and wait until it is healthy; or
+any server from a shell command line (`launch`), in its own process group.
 
 Shared by the live benchmarks and the end-to-end tests."""
 
@@ -11,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,17 +96,35 @@ def start_server(log_dir: Path, *extra: str) -> Server:
     raise RuntimeError(f"serve not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log_tail()}")
 
 
-def children_of(pid: int) -> list[int]:
-    """Process ids whose parent is `pid` (from /proc)."""
+def process_table() -> list[tuple[int, str, int, int]]:
+    """(pid, state, parent pid, process group) of every process, from /proc."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            state, ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
             continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
+        out.append((int(stat.parent.name), state, int(ppid), int(pgrp)))
     return out
+
+
+def children_of(pid: int) -> list[int]:
+    """Process ids whose parent is `pid`."""
+    return [p for p, _, ppid, _ in process_table() if ppid == pid]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    return [p for p, state, _, pgrp in process_table() if pgrp == pgid and state != "Z"]
+
+
+def port_open(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def wait_for(predicate, timeout: float = 10.0) -> bool:
@@ -113,3 +134,86 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return predicate()
+
+
+# ---------------------------------------------------------------- any server, from a start command
+
+
+class LaunchError(RuntimeError):
+    """A start command that died, never got ready, or found its port taken."""
+
+
+def answers_ready(base_url: str) -> bool:
+    """GET /health answers 200; on a server without /health (404), GET /v1/models does."""
+    for path in ("/health", "/v1/models"):
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + path, timeout=2) as resp:
+                return resp.status == 200
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                return False
+        except OSError:
+            return False
+    return False
+
+
+@dataclass
+class Launched:
+    """A server started by a shell command line in its own process group (a new session),
+    so that stopping it reaches every process it started, however deep."""
+
+    proc: subprocess.Popen
+    host: str
+    port: int
+    log_path: Path
+    ready_s: float | None = None  # from the start to the first ready answer
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout: float = 30.0) -> dict:
+        """SIGTERM to the group, SIGKILL to what is left after `timeout`, then wait (as long
+        again) for the port to be free. Returns what it saw, for the record."""
+        t0 = time.monotonic()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.pgid, sig)
+            except ProcessLookupError:
+                pass
+            if wait_for(lambda: self.proc.poll() is not None and not group_members(self.pgid), timeout):
+                break
+        port_free = wait_for(lambda: not port_open(self.host, self.port), timeout)
+        gone = self.proc.poll() is not None and not group_members(self.pgid)
+        return {"stop_s": time.monotonic() - t0, "group_gone": gone, "port_free": port_free}
+
+
+def launch(command: str, base_url: str, log_path: Path, ready_timeout: float) -> Launched:
+    """Run `command` (a shell line) and wait until `base_url` answers ready. Raises
+    LaunchError, with the log's tail, if the port is taken before the start, if the
+    command exits first, or if it is not ready within `ready_timeout` (then it is stopped)."""
+    url = urllib.parse.urlsplit(base_url)
+    host, port = url.hostname or "127.0.0.1", url.port or (443 if url.scheme == "https" else 80)
+    if port_open(host, port):
+        raise LaunchError(f"{host}:{port} is already taken; stop what listens there or give another port")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            command, shell=True, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = Launched(proc, host, port, log_path)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < ready_timeout:
+        if answers_ready(base_url):
+            server.ready_s = time.monotonic() - t0
+            return server
+        if proc.poll() is not None:
+            server.stop(timeout=5)
+            raise LaunchError(f"the start command exited with {proc.returncode} before {base_url} was ready; "
+                              f"log {log_path}:\n{server.log_tail()}")  # fmt: skip
+        time.sleep(0.25)
+    server.stop()
+    raise LaunchError(f"{base_url} not ready {ready_timeout:g} s after the start; log {log_path}:\n{server.log_tail()}")

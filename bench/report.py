@@ -40,6 +40,7 @@ class RequestRecord:
     arrival_s: float = 0.0  # when it was due, from the start of the run
     start_s: float = 0.0  # when it was sent (later than due under --max-concurrency)
     error: str | None = None
+    usage_prompt_tokens: int | None = None  # as the server counted them (its final `usage`), if it did
 
 
 def ratio(num: int, den: int) -> float | None:

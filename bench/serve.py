@@ -205,6 +205,7 @@ async def read_stream(
                 last, num_chunks = now, num_chunks + 1
             if usage := event.get("usage"):
                 record.output_tokens = usage.get("completion_tokens") or 0
+                record.usage_prompt_tokens = usage.get("prompt_tokens")
     record.error = "stream ended without [DONE]"
 
 

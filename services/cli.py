@@ -23,6 +23,7 @@ BENCHMARKS = {
     "kv": ("bench.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
     "sched": ("bench.sched", "time of one LVF scheduling step vs live requests"),
     "serve": ("bench.serve", "load generator against an OpenAI-compatible server: SLO attainment"),
+    "compare": ("bench.compare", "the same workloads against several servers in turn (ours, vLLM...), side by side"),
     "policies": ("bench.policies", "lvf vs fcfs vs sf vs wf on the live server under overload"),
     "soak": ("bench.soak", "overload soak with disconnects: nothing lost, no leaked blocks, flat RSS"),
     "sim": ("bench.sim", "discrete-event simulator: the scheduler core with a cost-model worker"),
