@@ -154,8 +154,9 @@ def run_target(t: Target, probe, rated: list[WorkItem] | None, args, log_path: P
     server = None
     try:
         if t.start:
-            server = launch(t.start, t.base_url, log_path, args.ready_timeout)
-            out.update(ready_s=server.ready_s, pgid=server.pgid, log=str(log_path))
+            server = launch(t.start, t.base_url, log_path)
+            out.update(pgid=server.pgid, log=str(log_path))
+            out["ready_s"] = server.wait_ready(args.ready_timeout)
             print(f"{t.name}: ready after {server.ready_s:.1f} s", file=sys.stderr)
         elif not answers_ready(t.base_url):
             raise LaunchError(f"nothing ready at {t.base_url}: start it first, or give a start command")
@@ -269,7 +270,8 @@ def table_rows(cfg: dict) -> list[tuple[str, str, tuple[str, ...], str]]:
                 (label, "output tokens per stream", (*level, "output_tokens"), "span"),
             ]  # fmt: skip
     if "sharegpt" in cfg["workloads"]:
-        label = f"ShareGPT, {cfg['num_requests']} requests at {cfg['rate']:g} req/s, seed {cfg['seed']}"
+        rate = f"{cfg['rate']:g}" if isinstance(cfg["rate"], float) else cfg["rate"]  # "inf" in JSON
+        label = f"ShareGPT, {cfg['num_requests']} requests at {rate} req/s, seed {cfg['seed']}"
         rows += [
             (label, f"TTFT ≤ {cfg['ttft_slo']:g} s", ("sharegpt", "ttft_attainment"), "pct"),
             (label, f"TBT gaps ≤ {cfg['tbt_slo'] * 1000:g} ms", ("sharegpt", "tbt_attainment"), "pct"),

@@ -163,9 +163,11 @@ class Launched:
     so that stopping it reaches every process it started, however deep."""
 
     proc: subprocess.Popen
+    base_url: str
     host: str
     port: int
     log_path: Path
+    started: float  # time.monotonic() at the start
     ready_s: float | None = None  # from the start to the first ready answer
 
     @property
@@ -174,6 +176,20 @@ class Launched:
 
     def log_tail(self, n: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds from the start until `base_url` answered ready. Raises LaunchError, with
+        the log's tail, if the command exits first or `timeout` s pass from the start."""
+        while time.monotonic() - self.started < timeout:
+            if answers_ready(self.base_url):
+                self.ready_s = time.monotonic() - self.started
+                return self.ready_s
+            if self.proc.poll() is not None:
+                raise LaunchError(f"the start command exited with {self.proc.returncode} before {self.base_url} "
+                                  f"was ready; log {self.log_path}:\n{self.log_tail()}")  # fmt: skip
+            time.sleep(0.25)
+        raise LaunchError(f"{self.base_url} not ready {timeout:g} s after the start; log {self.log_path}:\n"
+                          f"{self.log_tail()}")  # fmt: skip
 
     def stop(self, timeout: float = 30.0) -> dict:
         """SIGTERM to the group, SIGKILL to what is left after `timeout`, then wait (as long
@@ -191,10 +207,9 @@ class Launched:
         return {"stop_s": time.monotonic() - t0, "group_gone": gone, "port_free": port_free}
 
 
-def launch(command: str, base_url: str, log_path: Path, ready_timeout: float) -> Launched:
-    """Run `command` (a shell line) and wait until `base_url` answers ready. Raises
-    LaunchError, with the log's tail, if the port is taken before the start, if the
-    command exits first, or if it is not ready within `ready_timeout` (then it is stopped)."""
+def launch(command: str, base_url: str, log_path: Path) -> Launched:
+    """Run `command` (a shell line), its output to `log_path`; raises LaunchError if
+    something already listens on `base_url`'s port (it would be measured instead)."""
     url = urllib.parse.urlsplit(base_url)
     host, port = url.hostname or "127.0.0.1", url.port or (443 if url.scheme == "https" else 80)
     if port_open(host, port):
@@ -204,16 +219,4 @@ def launch(command: str, base_url: str, log_path: Path, ready_timeout: float) ->
         proc = subprocess.Popen(
             command, shell=True, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    server = Launched(proc, host, port, log_path)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < ready_timeout:
-        if answers_ready(base_url):
-            server.ready_s = time.monotonic() - t0
-            return server
-        if proc.poll() is not None:
-            server.stop(timeout=5)
-            raise LaunchError(f"the start command exited with {proc.returncode} before {base_url} was ready; "
-                              f"log {log_path}:\n{server.log_tail()}")  # fmt: skip
-        time.sleep(0.25)
-    server.stop()
-    raise LaunchError(f"{base_url} not ready {ready_timeout:g} s after the start; log {log_path}:\n{server.log_tail()}")
+    return Launched(proc, base_url, host, port, log_path, time.monotonic())
