@@ -18,6 +18,7 @@ import msgspec
 
 from services.admin_cli import TOKEN_ENV
 from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
+from services.scheduler.core.step import Step
 from services.scheduler.core.vlt import vlt
 from services.scheduler.metrics import (
     FinishSample,
@@ -50,18 +51,17 @@ class Observer:
         self.timelines[rid] = Timeline(req.arrival, req.ttft_slo, req.tbt_slo, num_prompt, since=now)
         self.log.debug("request_added", request_id=rid, num_prompt_tokens=num_prompt, max_tokens=req.params.max_tokens)
 
-    def planned(self, core: SchedulerCore, was_running: list[Request], now: float) -> None:
-        """Record this step's state changes: an admitted request is among the scheduled
-        ones, a preempted one among those running before the step."""
-        scheduled = core.last_step.scheduled if core.last_step else ()
-        for req in itertools.chain(was_running, scheduled):
+    def planned(self, step: Step, cfg: SchedulerConfig) -> None:
+        """Record the state changes the core reports for a step it planned (at `step.now`)."""
+        now = step.now
+        for req in itertools.chain(step.preempted, step.admitted):
             tl = self.timelines.get(req.request_id)
             state = state_of(req)
-            if tl is None or state in (tl.state, "done"):
-                continue
+            if tl is None or state == tl.state:
+                continue  # not seen added (resumed after a worker loss), or already in that state
             old = tl.move(state, now)
             if state == "running":
-                self.metrics.vlt_admitted.observe(admission_vlt(req, core.cfg, now))
+                self.metrics.vlt_admitted.observe(admission_vlt(req, cfg, now))
             event = "request_admitted" if state == "running" else "request_preempted"
             self.log.debug(event, request_id=req.request_id, from_state=old, to_state=state)
 

@@ -414,7 +414,6 @@ class SchedulerService:
         while self.core is not None and len(self.in_flight) < self.pipeline_depth:
             t0 = time.perf_counter()
             now = time.monotonic()
-            was_running = list(self.core.running.values())
             plan = self.core.schedule(now)
             if plan is None:
                 self.idle = self.idle or not self.in_flight
@@ -427,7 +426,7 @@ class SchedulerService:
             self.in_flight.append(Flight.of(plan, self.core.last_step, time.perf_counter() - t0, self.idle))
             self.sent_at.append((time.monotonic(), sum(s.num_new_tokens for s in plan.scheduled)))
             self.idle = False
-            self.observer.planned(self.core, was_running, now)
+            self.observer.planned(self.core.last_step, self.core.cfg)
 
     def _trace(self, result: p.StepResult, flight: Flight, stalled: bool) -> None:
         self.trace.write(trace_line(result, flight, stalled, self.core.stats(), time.time()))

@@ -84,6 +84,8 @@ def test_lagging_waiting_request_displaces_the_longest_running():
     assert core.requests["a"].status is Status.ROTARY
     assert core.requests["b"].status is Status.RUNNING
     assert entries(plan)["c"].num_new_tokens == 4
+    step = core.last_step  # the core tells what the step did
+    assert [r.request_id for r in step.preempted] == ["a"] and [r.request_id for r in step.admitted] == ["c"]
     # Eager rotation: only a's unmirrored blocks are copied; its mirrored blocks are
     # reused in the same step by c.
     assert [h for h, _ in plan.swap_out] == a_blocks[2:]

@@ -6,17 +6,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
+from .policy import PolicyView
 from .queues import RequestHeap
 from .request import Request, Status
 from .step import Step
 
-if TYPE_CHECKING:
-    from .scheduler import SchedulerCore
 
-
-def schedule_fcfs(core: SchedulerCore, step: Step) -> None:
+def schedule_fcfs(core: PolicyView, step: Step) -> None:
     """The fcfs, sf and wf policies, and lvf while HBM holds every live request.
     As vLLM, a step that had to preempt admits nobody."""
     schedule_running(core, step, sorted(core.running.values(), key=lambda r: r.seq))
@@ -42,7 +39,7 @@ def admission_order(policy: str, queues: list[RequestHeap]) -> Iterator[Request]
         yield req
 
 
-def schedule_running(core: SchedulerCore, step: Step, order: list[Request]) -> None:
+def schedule_running(core: PolicyView, step: Step, order: list[Request]) -> None:
     """Give each running request its tokens, decodes before prefill chunks, in `order`.
     A request short of blocks preempts the request at the end of `order` that has not
     been scheduled this step (possibly itself)."""
@@ -63,7 +60,7 @@ def schedule_running(core: SchedulerCore, step: Step, order: list[Request]) -> N
                 step.schedule(req, num_new)
 
 
-def make_room(core: SchedulerCore, step: Step, req: Request, need: int, order: list[Request]) -> bool:
+def make_room(core: PolicyView, step: Step, req: Request, need: int, order: list[Request]) -> bool:
     hbm = core.memory.hbm
     while hbm.num_free < need:
         if hbm.num_free + hbm.num_deferred >= need:
@@ -84,7 +81,7 @@ def last_unscheduled(step: Step, order: list[Request]) -> Request | None:
     return None
 
 
-def admit_in_order(core: SchedulerCore, step: Step, candidates: Iterable[Request]) -> None:
+def admit_in_order(core: PolicyView, step: Step, candidates: Iterable[Request]) -> None:
     """Admit waiting/rotary requests in `candidates` order until one does not fit
     (head-of-line: a later request never jumps a blocked earlier one)."""
     memory = core.memory

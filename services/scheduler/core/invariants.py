@@ -76,6 +76,8 @@ def _check_step(core: SchedulerCore) -> None:
     assert len(step.scheduled) <= core.cfg.max_num_seqs, f"step {step.step_id}: too many requests"
     num_tokens = sum(r.step_new_tokens for r in step.scheduled)
     assert num_tokens <= core.cfg.max_batched_tokens, f"step {step.step_id}: {num_tokens} tokens over budget"
+    assert not set(step.admitted) & set(step.preempted), f"step {step.step_id} admitted and preempted a request"
+    assert all(step.is_scheduled(r) for r in step.admitted), f"step {step.step_id} admitted a request it left out"
     if step.num_preempted:
         lvf_fits = step.fits_all and core.cfg.policy == "lvf"
         assert not lvf_fits, f"step {step.step_id} rotated although HBM held everything"

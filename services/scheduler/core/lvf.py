@@ -17,18 +17,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from .fcfs import schedule_running
+from .policy import PolicyView
 from .request import Request, Status
 from .step import Step
 from .vlt import lag_vlt
 
-if TYPE_CHECKING:
-    from .scheduler import SchedulerCore
 
-
-def schedule_lvf(core: SchedulerCore, step: Step) -> None:
+def schedule_lvf(core: PolicyView, step: Step) -> None:
     # Running in VLT order, largest first: the most recently started first.
     order = sorted(core.running.values(), key=lambda r: (-r.run_start, r.seq))
     try:
@@ -39,7 +36,7 @@ def schedule_lvf(core: SchedulerCore, step: Step) -> None:
     schedule_running(core, step, sorted(core.running.values(), key=lambda r: r.seq))
 
 
-def lvf_candidates(core: SchedulerCore, now: float) -> Iterator[tuple[float, Request]]:
+def lvf_candidates(core: PolicyView, now: float) -> Iterator[tuple[float, Request]]:
     """Paused requests as (VLT, request), largest VLT first; equal VLTs (within slack)
     by the time they start to lag."""
     cfg = core.cfg
@@ -58,7 +55,7 @@ def lvf_candidates(core: SchedulerCore, now: float) -> Iterator[tuple[float, Req
 
 
 def admit_lagging(
-    core: SchedulerCore, step: Step, order: list[Request], candidates: Iterator[tuple[float, Request]]
+    core: PolicyView, step: Step, order: list[Request], candidates: Iterator[tuple[float, Request]]
 ) -> None:
     memory = core.memory
     num_decodes = sum(1 for r in order if r.num_schedulable() == 1)  # token reserve
@@ -79,7 +76,7 @@ def admit_lagging(
         core.admit(req, step, num_new)
 
 
-def _fits(core: SchedulerCore, req: Request, need: int, num_new: int, step: Step) -> bool:
+def _fits(core: PolicyView, req: Request, need: int, num_new: int, step: Step) -> bool:
     memory = core.memory
     if len(core.running) >= core.cfg.max_num_seqs:
         return False
@@ -88,7 +85,7 @@ def _fits(core: SchedulerCore, req: Request, need: int, num_new: int, step: Step
     return memory.hbm.can_allocate(need)
 
 
-def _displace(core: SchedulerCore, step: Step, req: Request, need: int, order: list[Request]) -> int:
+def _displace(core: PolicyView, step: Step, req: Request, need: int, order: list[Request]) -> int:
     """Preempt running requests from the tail of the VLT order until `req` fits, but only
     if the victims can free enough (now, or when their copies are done) and their swaps
     fit in B_xfer. Returns how many of the victims were decodes.

@@ -197,7 +197,7 @@ class SchedulerCore:
         self.step_id += 1
         return plan
 
-    # ------------------------------------------------------------ transitions used by policies
+    # ------------------------------------------------------------ transitions used by policies (policy.PolicyView)
 
     def admit(self, req: Request, step: Step, num_new_tokens: int) -> None:
         """WAITING/ROTARY -> RUNNING and schedule its first tokens (capacity checked)."""
@@ -213,6 +213,7 @@ class SchedulerCore:
         if not self.memory.grow(req, num_new_tokens):
             raise AssertionError(f"admitted {req.request_id} without room")
         step.schedule(req, num_new_tokens)
+        step.admitted.append(req)
 
     def preempt(self, req: Request, step: Step, recompute_ok: bool = True) -> bool:
         """RUNNING -> ROTARY by swap where the policy swaps and DRAM and B_xfer allow,
@@ -232,7 +233,7 @@ class SchedulerCore:
             return False
         del self.running[req.request_id]
         req.preempted_step = step.step_id
-        step.num_preempted += 1
+        step.preempted.append(req)
         self.num_preemptions += 1
         self._enqueue(req)
         return True

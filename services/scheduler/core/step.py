@@ -1,4 +1,5 @@
-"""The record of one step while it is planned: budgets, scheduled work, copies."""
+"""The record of one step while it is planned: budgets, scheduled work, copies, and the
+requests it admitted and preempted (what the service's observer reports)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,18 @@ class Step:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (dram, hbm)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (hbm, dram)
     eager: list[tuple[int, int]] = field(default_factory=list)  # (hbm, dram)
-    num_preempted: int = 0  # swap and recompute
+    admitted: list[Request] = field(default_factory=list)  # WAITING/ROTARY -> RUNNING, in order
+    preempted: list[Request] = field(default_factory=list)  # RUNNING -> ROTARY/WAITING, in order
     num_recomputed: int = 0
     num_swapped_in_reqs: int = 0
     # HBM blocks the step tried to place (admissions and growth), met or not: a step may
     # preempt only when this exceeds the free blocks it started with.
     num_blocks_wanted: int = 0
     fits_all: bool = False  # HBM held every live request's KV when the step began
+
+    @property
+    def num_preempted(self) -> int:  # swap and recompute
+        return len(self.preempted)
 
     @property
     def num_moved(self) -> int:
