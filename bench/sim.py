@@ -1,31 +1,28 @@
 """`superinfer bench sim`: the live scheduler core on a virtual clock, with a cost-model worker.
 
-Each simulated step is what the live service does: arrivals → `add_request`, `schedule(now)`
-→ Plan, the worker's time for the Plan (bench/costmodel.py), a synthesized `StepResult`
-(one token for every request whose scheduled tokens reach the end of its known tokens) →
-`update`. Output lengths come from the workload: each request asks `max_tokens` = its
-output length, so it finishes ("length") exactly there. Per request we record TTFT and
+The steps are driven by the live scheduler's own step driver (services/scheduler/driver.py)
+on a virtual clock (`run_clock`): requests arrive at their times, the driver keeps
+`--pipeline-depth` plans at the worker (2, the live default: plan t+1 is built while t
+computes, so a step stalls only if scheduling takes longer; 1 plans each step after the
+previous result), and a result, synthesized (one token for every request whose scheduled
+tokens reach the end of its known tokens), is applied when the cost model (bench/costmodel.py)
+says its step ends. A request that arrives while a step computes is planned at once if the
+pipeline has room, as the live loop plans after every message. Fed a live run's arrivals
+and result times instead, the same clock re-derives what the live scheduler planned
+(`bench simlive`). Output lengths come from the workload: each request asks `max_tokens` =
+its output length, so it finishes ("length") exactly there. Per request we record TTFT and
 every gap between tokens, then `bench.report.summarize` computes the same metrics as
 `bench serve` does against a live server.
 
-Pipelining, as the live scheduler does it (`--pipeline-depth 2`, its default): plan t+1
-is built when step t−1's result is back, as step t starts (or waits for its swap-ins),
-before t's result is back (the core plans one pending sample per decoding request), and
-t's result is applied when t ends. Scheduling thus overlaps compute; a step stalls only if
-scheduling takes longer. A request that arrives while a step computes and nothing else
-waits to be planned is planned at once, as the live loop plans after every message. Fed
-a live run's arrivals and result times, the core therefore plans what the live scheduler
-planned (`bench simlive` replays runs so). Where copies go
-(`Clock.step`): with a profile's `pipeline` (GPU profiles, the paper's design) step t+1's
-copies start as soon as its plan exists, overlapping step t's compute, and queue on the
-link behind earlier copies; compute waits only for the swap-ins it reads. (The live worker
-holds back the swap-outs and eager mirrors that read blocks step t still writes until t's
-compute is done; the model does not, and with eager rotation those are mostly the one
-dirty block of each preempted request.) Without it (the
-`cpu` profile, as the live worker executes plans one after the other) a step's copies
-start after the previous step is done, both directions at once, compute waits for the
-swap-ins, and the step ends when compute and the out-direction copies are both done.
-`--pipeline-depth 1` plans each step after the previous result instead.
+Where copies go (`Clock.step`): with a profile's `pipeline` (GPU profiles, the paper's
+design) step t+1's copies start as soon as its plan exists, overlapping step t's compute,
+and queue on the link behind earlier copies; compute waits only for the swap-ins it reads.
+(The live worker holds back the swap-outs and eager mirrors that read blocks step t still
+writes until t's compute is done; the model does not, and with eager rotation those are
+mostly the one dirty block of each preempted request.) Without it (the `cpu` profile, as
+the live worker executes plans one after the other) a step's copies start after the
+previous step is done, both directions at once, compute waits for the swap-ins, and the
+step ends when compute and the out-direction copies are both done.
 
 A profile measured on the live server (`bench simlive`) adds two of its terms here: the
 worker's gap between two steps (`step_gap_ms`: a step starts that long after the previous
@@ -47,6 +44,8 @@ import math
 import statistics
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -65,7 +64,9 @@ from bench.costmodel import (
 from bench.report import RequestRecord, summarize
 from bench.workload import SyntheticSpec, WorkItem, arrival_times, load_workload, with_arrivals
 from services.scheduler.core import SchedulerConfig, SchedulerCore
-from shared.protocol import AddRequest, SamplingParams, StepResult
+from services.scheduler.core.step import Step
+from services.scheduler.driver import Driver
+from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, TokenOutput
 
 TOKEN = 1  # the id every synthesized sample carries (never a stop token: no stop ids are set)
 # Row keys that depend on this machine's wall clock, not on the simulation.
@@ -148,89 +149,116 @@ def requests_of(items: list[WorkItem]) -> list[AddRequest]:
 
 @dataclass
 class InFlight:
+    """A plan at the simulated worker."""
+
     step_id: int
     sampled: list[str]  # request ids that sample in this step
-    end: float
+    end: float = math.inf  # when its result is back (the cost model's)
 
 
 def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
     cfg, hw, model = setup.cfg, setup.hardware, setup.model
     max_model_len = min(model.max_position, setup.num_hbm_blocks * cfg.block_size)
     core = SchedulerCore(cfg, setup.num_hbm_blocks, setup.num_dram_blocks, max_model_len)
-    order = sorted(range(len(items)), key=lambda i: items[i].arrival_s)
     requests = requests_of(items)
     num_samples = [0] * len(items)  # samples planned so far (emitted + in flight)
     times: list[list[float]] = [[] for _ in items]
     clock = Clock(hw.pipeline, gap_s=hw.step_gap_s)
     run = SimRun([], 0.0, {})
     fixed_sched = None if setup.sched_time == "measured" else _sched_s(setup.sched_time, hw)
-    flight: InFlight | None = None
-    now, nxt = 0.0, 0
+    check = core.check_invariants if setup.check_invariants else lambda: None
 
-    def finish(f: InFlight) -> None:
-        for out in core.update(StepResult(f.step_id, f.sampled, [TOKEN] * len(f.sampled)), f.end):
-            times[int(out.request_id)].append(f.end)
-        if setup.check_invariants:
-            core.check_invariants()
-
-    while True:
-        while nxt < len(order) and items[order[nxt]].arrival_s <= now:
-            i = order[nxt]
-            core.add_request(requests[i], items[i].arrival_s)
-            nxt += 1
-        t0 = time.perf_counter()
-        plan = core.schedule(now)
-        wall = time.perf_counter() - t0
-        run.sched_wall_ms.append(wall * 1e3)
-        if setup.check_invariants:
-            core.check_invariants()
-        if plan is None:
-            arrival = items[order[nxt]].arrival_s if nxt < len(order) else math.inf
-            if flight is not None and arrival < flight.end:
-                now = max(now, arrival)  # as the live loop does: plan it while the step computes
-            elif flight is not None:  # nothing to plan until the step in flight reports
-                finish(flight)
-                now, flight = max(now, flight.end), None
-            elif nxt < len(order):
-                now = max(now, arrival)
-            elif core.has_unfinished():
-                raise RuntimeError(f"simulation stuck at {now:.3f} s: {core.stats()}")
-            else:
-                break
-            continue
+    def send(plan: Plan, step: Step, schedule_s: float) -> InFlight:
+        """The cost-model worker: when the plan's result is back."""
+        run.sched_wall_ms.append(schedule_s * 1e3)
+        check()
         work, sampled = plan_work(plan, items, num_samples)
         compute_s = compute_time(hw, model, work)
         x = transfer_time(
             hw, model, setup.transfer_mode, len(plan.swap_in), len(plan.swap_out) + len(plan.eager), cfg.block_size
         )
-        prev_end = flight.end if flight is not None else now
-        start, end = clock.step(
-            now,
-            prev_end,
-            wall if fixed_sched is None else fixed_sched,
-            compute_s,
-            x.in_s,
-            x.total_s,
-            bool(plan.swap_in),
-        )
-        run.stall_s += start - prev_end if flight is not None else 0.0
+        busy = driver.in_flight[-1] if driver.in_flight else None
+        prev_end = busy.end if busy is not None else step.now
+        sched_s = schedule_s if fixed_sched is None else fixed_sched
+        start, end = clock.step(step.now, prev_end, sched_s, compute_s, x.in_s, x.total_s, bool(plan.swap_in))
+        run.stall_s += start - prev_end if busy is not None else 0.0
         run.step_ms.append((end - prev_end) * 1e3)
         run.step_end_s.append(end)
         run.step_num_sampled.append(len(sampled))
         run.compute_ms.append(compute_s * 1e3)
         run.xfer_ms.append(x.total_s * 1e3)
-        if flight is not None:
-            finish(flight)
-        flight = InFlight(plan.step_id, sampled, end)
-        if setup.pipeline_depth == 1:
-            finish(flight)
-            now, flight = end, None
-        else:
-            now = max(now, prev_end)  # the next plan: when the previous result is back, as this step starts
+        return InFlight(plan.step_id, sampled, end)
+
+    def idle() -> None:  # a schedule() call that built no plan
+        run.sched_wall_ms.append(driver.schedule_s * 1e3)
+        check()
+
+    def applied(outputs: list[TokenOutput], now: float) -> None:
+        for out in outputs:
+            times[int(out.request_id)].append(now)
+        check()
+
+    driver = Driver(core, send, setup.pipeline_depth, time.perf_counter)
+    arrivals = sorted(((it.arrival_s, req) for it, req in zip(items, requests)), key=lambda a: a[0])
+    run_clock(driver, arrivals, idle=idle, applied=applied)
+    if core.has_unfinished():
+        raise RuntimeError(f"simulation stuck: {core.stats()}")
     run.records = [_record(it, [t + hw.client_latency_s for t in ts]) for it, ts in zip(items, times)]
     run.duration_s = max((ts[-1] for ts in times if ts), default=0.0) - min((it.arrival_s for it in items), default=0.0)
     run.stats = core.stats()
     return run
+
+
+def run_clock(
+    driver: Driver[InFlight],
+    arrivals: list[tuple[float, AddRequest]],
+    *,
+    start: float = 0.0,
+    result_times: list[float] | None = None,
+    lag_s: float = 0.0,
+    tick_s: float = 0.0,
+    idle: Callable[[], None] = lambda: None,
+    applied: Callable[[list[TokenOutput], float], None] = lambda outputs, now: None,
+) -> None:
+    """The virtual clock around the step driver: events in time order, a result before an
+    arrival at the same time, and after each the driver plans (`lag_s` later).
+
+    An arrival is added at its time. A result is applied to the oldest plan in flight; it
+    comes back at that plan's `end` (the simulator's cost model) or, given `result_times`
+    (a replay of a live run), at the next of those (one with no plan in flight is skipped).
+    A result followed by another within `tick_s`, no arrival between, is planned after
+    both, as the service plans once per tick of its loop. `arrivals` are sorted by time.
+    `idle` is called when the driver had nothing to plan, `applied` with each result's
+    outputs and time."""
+    core, upcoming = driver.core, deque(result_times) if result_times is not None else None
+
+    def next_result() -> float:
+        if upcoming is not None:
+            return upcoming[0] if upcoming else math.inf
+        return driver.in_flight[0].end if driver.in_flight else math.inf
+
+    now, nxt, merged = start, 0, False
+    while True:
+        while nxt < len(arrivals) and arrivals[nxt][0] <= now:
+            core.add_request(arrivals[nxt][1], arrivals[nxt][0])
+            nxt += 1
+        if not merged and driver.step(now + lag_s):
+            idle()
+        arrival, back = arrivals[nxt][0] if nxt < len(arrivals) else math.inf, next_result()
+        if arrival < back:
+            now, merged = max(now, arrival), False
+            continue
+        if back == math.inf:
+            return
+        now = max(now, back)
+        if upcoming is not None:
+            upcoming.popleft()
+        if driver.in_flight:
+            f = driver.in_flight[0]
+            _, outputs = driver.result(StepResult(f.step_id, f.sampled, [TOKEN] * len(f.sampled)), now)
+            applied(outputs, now)
+        following = next_result()
+        merged = following - now < tick_s and following <= arrival
 
 
 def plan_work(plan, items: list[WorkItem], num_samples: list[int]) -> tuple[StepWork, list[str]]:

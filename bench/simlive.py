@@ -62,7 +62,9 @@ from bench.live import REPO, Server, start_server
 from bench.report import RequestRecord, summarize
 from bench.workload import WorkItem, load_workload
 from services.scheduler.core import SchedulerConfig, SchedulerCore
-from shared.protocol import StepResult
+from services.scheduler.core.step import Step
+from services.scheduler.driver import Driver
+from shared.protocol import Plan
 
 HERE = Path(__file__).resolve().parent
 HISTORY = HERE / "results" / "simlive_runs.jsonl"
@@ -205,29 +207,24 @@ def replay_plans(
     items: list[WorkItem], arrivals: list[float], result_times: list[float], cfg: SchedulerConfig, pools: Pools
 ) -> list[tuple[StepWork, int]]:
     """(work, number of samples) of every plan the live scheduler built, re-derived: a fresh
-    core gets each request at its arrival and each result at the time the service got it,
-    and plans as the service's loop does, once per tick after its updates (results closer
-    than `TICK_S` came in one tick), `SCHEDULE_LAG_S` later, keeping `PIPELINE_DEPTH` plans
-    in flight. Times are epoch seconds; only their order and spacing matter."""
+    core, driven as the service drives it (the step driver, `PIPELINE_DEPTH` plans in
+    flight), gets each request at its arrival and each result at the time the service got
+    it, and plans once per tick after its updates (results closer than `TICK_S` came in one
+    tick), `SCHEDULE_LAG_S` later. Times are epoch seconds; only their order and spacing
+    matter."""
     core = SchedulerCore(cfg, pools.num_hbm_blocks, pools.num_dram_blocks, pools.max_model_len)
-    requests = sim.requests_of(items)
     num_samples = [0] * len(items)
-    events = sorted([(t, 0, i) for i, t in enumerate(arrivals)] + [(t, 1, k) for k, t in enumerate(result_times)])
-    flight: deque[tuple[int, list[str]]] = deque()
     plans: list[tuple[StepWork, int]] = []
-    for n, (t, kind, i) in enumerate(events):
-        if kind == 0:
-            core.add_request(requests[i], t)
-        elif flight:
-            step_id, sampled = flight.popleft()
-            core.update(StepResult(step_id, sampled, [sim.TOKEN] * len(sampled)), t)
-        later = events[n + 1] if n + 1 < len(events) else None
-        if kind == 1 and later is not None and later[1] == 1 and later[0] - t < TICK_S:
-            continue  # the next result came in the same tick: plan after both
-        while len(flight) < PIPELINE_DEPTH and (plan := core.schedule(t + SCHEDULE_LAG_S)) is not None:
-            work, sampled = sim.plan_work(plan, items, num_samples)
-            flight.append((plan.step_id, sampled))
-            plans.append((work, len(sampled)))
+
+    def send(plan: Plan, step: Step, schedule_s: float) -> sim.InFlight:
+        work, sampled = sim.plan_work(plan, items, num_samples)
+        plans.append((work, len(sampled)))
+        return sim.InFlight(plan.step_id, sampled)
+
+    timed = sorted(zip(arrivals, sim.requests_of(items)), key=lambda a: a[0])
+    start = min([*arrivals, *result_times], default=0.0)
+    driver = Driver(core, send, PIPELINE_DEPTH)
+    sim.run_clock(driver, timed, start=start, result_times=result_times, lag_s=SCHEDULE_LAG_S, tick_s=TICK_S)
     return plans
 
 

@@ -54,9 +54,11 @@ class Flight:
     request_ids: list[str]
     num_blocks_moved: int
     num_rotations: int  # requests swapped in or out by this plan
+    sent_at: float  # monotonic seconds
+    num_tokens: int  # tokens it computes
 
     @classmethod
-    def of(cls, plan: p.Plan, step: Step, schedule_s: float, after_idle: bool) -> Flight:
+    def of(cls, plan: p.Plan, step: Step, schedule_s: float, after_idle: bool, sent_at: float) -> Flight:
         return cls(
             step_id=plan.step_id,
             schedule_s=schedule_s,
@@ -64,6 +66,8 @@ class Flight:
             request_ids=[s.request_id for s in plan.scheduled],
             num_blocks_moved=len(plan.swap_in) + len(plan.swap_out) + len(plan.eager),
             num_rotations=step.num_swapped_in_reqs + step.num_preempted - step.num_recomputed,
+            sent_at=sent_at,
+            num_tokens=sum(s.num_new_tokens for s in plan.scheduled),
         )
 
 

@@ -5,7 +5,8 @@
     superinfer queues ──DEALER──▶ ROUTER (admin, bind)
 
 One loop: receive (bounded per tick) → dispatch → step → send. The core never sees a
-socket or the clock; this file feeds it `now` and moves its Plans and outputs, and tells
+socket or the clock: the step driver (driver.py, the same one the simulator runs) keeps
+the pipeline of plans; this file feeds it `now`, moves its Plans and outputs, and tells
 the `Observer` (admin.py) what happened so operators can see it.
 
 A worker that dies or hangs costs a pause, not a request. It is declared lost when a step
@@ -39,6 +40,8 @@ import zmq.asyncio
 
 from services.scheduler import admin
 from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
+from services.scheduler.core.step import Step
+from services.scheduler.driver import Driver
 from services.scheduler.metrics import Flight, trace_line
 from services.scheduler.recovery import NUM_STEP_SAMPLES, STEP_TIMEOUT_S, Held, resubmission, step_deadline_s
 from shared import config, protocol as p, zmqsec
@@ -107,13 +110,11 @@ class SchedulerService:
         self.admin_token = admin_token
         self.observer = admin.Observer(log, time.monotonic())
         self._draining = False
-        self.core: SchedulerCore | None = None
+        self.driver: Driver[Flight] | None = None  # with a ready worker: its core and the plans in flight
         self.worker: p.WorkerReady | None = None
         self.owner: dict[str, bytes] = {}  # request_id -> gateway identity
         self.gateways: dict[bytes, float] = {}  # identity -> when it was last heard from
         self.held: list[Held] = []  # requests waiting for a ready worker, oldest first
-        self.in_flight: deque[Flight] = deque()  # plans sent and not yet reported, oldest first
-        self.sent_at: deque[tuple[float, int]] = deque()  # (monotonic send time, tokens) per flight
         self.last_result_at = 0.0
         self.step_times: deque[tuple[float, int]] = deque(maxlen=NUM_STEP_SAMPLES)  # (seconds, tokens)
         self.step_timeout_s = step_timeout_s
@@ -125,6 +126,10 @@ class SchedulerService:
         self.last_stats = 0.0
         self.stats_changed = False
         self.stopping = False
+
+    @property
+    def core(self) -> SchedulerCore | None:
+        return self.driver.core if self.driver is not None else None
 
     @property
     def draining(self) -> bool:
@@ -308,7 +313,8 @@ class SchedulerService:
         self.observer.block_bytes = ready.block_bytes
         # The worker owns the KV layout, so its block size wins.
         cfg = dataclasses.replace(self.cfg, block_size=ready.block_size)
-        self.core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len)
+        core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len)
+        self.driver = Driver(core, self._send_plan, self.pipeline_depth, time.perf_counter)
         self.step_times.clear()
         self.log.info(
             "worker ready",
@@ -341,14 +347,14 @@ class SchedulerService:
 
     def _check_worker(self) -> None:
         """Declare the worker lost when the oldest plan's result is overdue."""
-        if not self.in_flight:
+        if self.driver is None or not self.driver.in_flight:
             return
         now = time.monotonic()
-        sent, num_tokens = self.sent_at[0]
-        started = max(sent, self.last_result_at)
-        deadline = step_deadline_s(self.step_times, num_tokens, self.step_timeout_s)
+        oldest = self.driver.in_flight[0]
+        started = max(oldest.sent_at, self.last_result_at)
+        deadline = step_deadline_s(self.step_times, oldest.num_tokens, self.step_timeout_s)
         if now - started > deadline:
-            self._lose_worker(f"step {self.in_flight[0].step_id} not back after {now - started:.1f}s")
+            self._lose_worker(f"step {oldest.step_id} not back after {now - started:.1f}s")
 
     def _lose_worker(self, reason: str) -> None:
         """Hold every live request for the next worker; fail nothing."""
@@ -362,23 +368,20 @@ class SchedulerService:
         self.held = resumed + self.held
         self.num_worker_losses += 1
         self.log.error("worker lost; holding live requests for the next worker", reason=reason, num_held=len(resumed))
-        self.core = None
-        self.in_flight.clear()
-        self.sent_at.clear()
+        self.driver = None
         self.idle = True
         self.stats_changed = True
 
     def _on_result(self, result: p.StepResult) -> None:
-        if not self.in_flight or result.step_id != self.in_flight[0].step_id:
+        now = time.monotonic()
+        applied = self.driver.result(result, now) if self.driver is not None else None
+        if applied is None:
             self.log.warning("unexpected step result", step_id=result.step_id)
             return
-        flight = self.in_flight.popleft()
+        flight, outputs = applied
         self.stats_changed = True
-        now = time.monotonic()
-        sent, num_tokens = self.sent_at.popleft()
-        self.step_times.append((now - max(sent, self.last_result_at), num_tokens))
+        self.step_times.append((now - max(flight.sent_at, self.last_result_at), flight.num_tokens))
         self.last_result_at = now
-        outputs = self.core.update(result, now)
         stalled = self.observer.stepped(flight, result, now)
         self.observer.outputs(outputs, now)
         if self.trace:
@@ -402,31 +405,32 @@ class SchedulerService:
             self._reply(owner, p.RequestError(rid, reason, "internal_error"))
         self.owner.clear()
         self.observer.reset()
-        self.core = None
-        self.in_flight.clear()
-        self.sent_at.clear()
+        self.driver = None
 
     # ------------------------------------------------------------ stepping and stats
 
     def _maybe_step(self) -> None:
         """Keep up to `pipeline_depth` plans at the worker: plan t+1 is built and sent
         while t computes (the core assumes one new token per decoding request)."""
-        while self.core is not None and len(self.in_flight) < self.pipeline_depth:
-            t0 = time.perf_counter()
-            now = time.monotonic()
-            plan = self.core.schedule(now)
-            if plan is None:
-                self.idle = self.idle or not self.in_flight
-                return
-            try:
-                self.back.send(p.encode(plan), flags=zmq.NOBLOCK)
-            except zmq.Again:  # no worker connected: its plan is recomputed on the next one
-                self._lose_worker("no worker connected")
-                return
-            self.in_flight.append(Flight.of(plan, self.core.last_step, time.perf_counter() - t0, self.idle))
-            self.sent_at.append((time.monotonic(), sum(s.num_new_tokens for s in plan.scheduled)))
-            self.idle = False
-            self.observer.planned(self.core.last_step, self.core.cfg)
+        if self.driver is None:
+            return
+        try:
+            nothing_to_plan = self.driver.step(time.monotonic())
+        except zmq.Again:  # no worker connected: its plan is recomputed on the next one
+            self._lose_worker("no worker connected")
+            return
+        if nothing_to_plan:
+            self.idle = self.idle or not self.driver.in_flight
+
+    def _send_plan(self, plan: p.Plan, step: Step, schedule_s: float) -> Flight:
+        """The driver's `send`: to the worker (zmq.Again if none is connected)."""
+        t0 = time.perf_counter()
+        self.back.send(p.encode(plan), flags=zmq.NOBLOCK)
+        # Its schedule time counts the send too, as the step trace always has.
+        flight = Flight.of(plan, step, schedule_s + time.perf_counter() - t0, self.idle, time.monotonic())
+        self.idle = False
+        self.observer.planned(step, self.driver.core.cfg)
+        return flight
 
     def _trace(self, result: p.StepResult, flight: Flight, stalled: bool) -> None:
         self.trace.write(trace_line(result, flight, stalled, self.core.stats(), time.time()))
