@@ -75,7 +75,7 @@ bench() {
   if [ "$(left)" -lt 25 ]; then BENCH_STATUS+=("$name skipped(time)"); say "skip $name: out of time"; return; fi
   say "bench kv $name: $* (${GIB} GiB each way)"
   rm -f "$DEST/kv_$name.json"  # a failed run must not leave an old table row behind
-  timeout "$(($(left) - 15))" "$PY" -m bench.kv --gib "$GIB" --json "$DEST/kv_$name.json" "$@" >>"$LOG" 2>&1
+  timeout "$(($(left) - 15))" "$PY" -m bench.micro.kv --gib "$GIB" --json "$DEST/kv_$name.json" "$@" >>"$LOG" 2>&1
   local rc=$?
   BENCH_STATUS+=("$name rc=$rc")
   [ $rc -eq 0 ] || say "  bench $name failed (rc=$rc); see $LOG"

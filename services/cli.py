@@ -19,17 +19,17 @@ from shared import config, zmqsec
 
 # name -> module with add_arguments(parser) and run(args) -> int
 BENCHMARKS = {
-    "model": ("bench.model", "our worker vs transformers: prefill tok/s, decode step ms"),
-    "kv": ("bench.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
-    "sched": ("bench.sched", "time of one LVF scheduling step vs live requests"),
-    "serve": ("bench.serve", "load generator against an OpenAI-compatible server: SLO attainment"),
-    "compare": ("bench.compare", "the same workloads against several servers in turn (ours, vLLM...), side by side"),
-    "policies": ("bench.policies", "lvf vs fcfs vs sf vs wf on the live server under overload"),
-    "soak": ("bench.soak", "overload soak with disconnects: nothing lost, no leaked blocks, flat RSS"),
-    "sim": ("bench.sim", "discrete-event simulator: the scheduler core with a cost-model worker"),
-    "calibrate": ("bench.calibrate", "measure this machine's worker and write the `cpu` profile"),
-    "simlive": ("bench.simlive", "the simulator vs the live server on one ShareGPT trace, calibrated in the same run"),
-    "reproduce": ("bench.reproduce", "regenerate bench/REPRODUCTION.md from simulator runs"),
+    "model": ("bench.micro.model", "our worker vs transformers: prefill tok/s, decode step ms"),
+    "kv": ("bench.micro.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
+    "sched": ("bench.micro.sched", "time of one LVF scheduling step vs live requests"),
+    "serve": ("bench.live.serve", "load generator against an OpenAI-compatible server: SLO attainment"),
+    "compare": ("bench.live.compare", "the same workloads against several servers in turn (ours, vLLM...), side by side"),
+    "policies": ("bench.live.policies", "lvf vs fcfs vs sf vs wf on the live server under overload"),
+    "soak": ("bench.live.soak", "overload soak with disconnects: nothing lost, no leaked blocks, flat RSS"),
+    "sim": ("bench.sim.sweep", "discrete-event simulator: the scheduler core with a cost-model worker"),
+    "calibrate": ("bench.sim.calibrate", "measure this machine's worker and write the `cpu` profile"),
+    "simlive": ("bench.sim.simlive", "the simulator vs the live server on one ShareGPT trace, calibrated in the same run"),
+    "reproduce": ("bench.sim.reproduce", "regenerate bench/REPRODUCTION.md from simulator runs"),
 }
 
 

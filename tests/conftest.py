@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.live import Server, start_server
+from bench.live.server import Server, start_server
 
 
 @pytest.fixture(scope="session")

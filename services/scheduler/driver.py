@@ -11,7 +11,7 @@ entries of requests that finished in t). A result is applied to the oldest plan 
 Pure like the core: no I/O and no clock of its own. The caller passes `now`, `send` hands a
 plan to the worker and returns what to keep with it until its result is back, and `timer`
 (if any) times each `schedule()` call. The live service (service.py) plugs in its sockets
-and monotonic clock; the simulator and the replay of a live run (bench/sim.py, `run_clock`)
+and monotonic clock; the simulator and the replay of a live run (bench/sim/engine.py, `run_clock`)
 a virtual clock. What the simulator says about the server holds because both run this.
 """
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.live import REPO, Server, free_port, start_server, wait_for
+from bench.live.server import REPO, Server, free_port, start_server, wait_for
 
 pytestmark = pytest.mark.slow
 TOKEN = "live-token"

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from bench import compare
-from bench.live import free_port, group_members, port_open
+from bench.live import compare
+from bench.live.server import free_port, group_members, port_open
 from tests.bench.test_serve import REQUIRED_KEYS
 
 

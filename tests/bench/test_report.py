@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.report import RequestRecord, format_summary, plot_cdfs, summarize
+from bench.report.metrics import RequestRecord, format_summary, plot_cdfs, summarize
 
 TTFT_SLO, TBT_SLO = 5.0, 0.1
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench import serve
-from bench.live import free_port
+from bench.live import serve
+from bench.live.server import free_port
 
 REQUIRED_KEYS = {
     "completed", "failed", "ttft_attainment", "tbt_attainment", "tbt_request_attainment",

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import soak
-from bench.report import RequestRecord
-from bench.workload import WorkItem
+from bench.live import outcomes, soak, watch
+from bench.live.workload import WorkItem
+from bench.report.metrics import RequestRecord
 
 REQUIRED_KEYS = {
     "capacity_req_s", "offered_req_s", "duration_s", "sent", "accepted", "completed", "disconnected",
@@ -24,9 +24,9 @@ REQUIRED_KEYS = {
 }  # fmt: skip
 
 
-def outcome(status=200, ok=True, finish="length", tokens=8, expected=8, **kw) -> soak.Outcome:
+def outcome(status=200, ok=True, finish="length", tokens=8, expected=8, **kw) -> outcomes.Outcome:
     record = RequestRecord(ok, output_tokens=tokens, expected_output_tokens=expected)
-    return soak.Outcome(record, status=status, finish_reason=finish, **kw)
+    return outcomes.Outcome(record, status=status, finish_reason=finish, **kw)
 
 
 def chunk(finish=None) -> dict:
@@ -34,7 +34,7 @@ def chunk(finish=None) -> dict:
 
 
 def test_on_event_hangs_up_after_k_chunks_and_ignores_usage_events():
-    out = soak.Outcome(RequestRecord(False), hangup=soak.Hangup(2, math.inf))
+    out = outcomes.Outcome(RequestRecord(False), hangup=outcomes.Hangup(2, math.inf))
     assert [out.on_event(e) for e in (chunk(), {"choices": [], "usage": {}}, chunk(), chunk())] == [
         False, False, False, True,
     ]  # fmt: skip
@@ -42,23 +42,23 @@ def test_on_event_hangs_up_after_k_chunks_and_ignores_usage_events():
 
 
 def test_on_event_notes_the_finish_reason():
-    out = soak.Outcome(RequestRecord(False))
+    out = outcomes.Outcome(RequestRecord(False))
     assert not any(out.on_event(e) for e in (chunk(), chunk("length"), {"choices": [], "usage": {}}))
     assert (out.num_chunks, out.finish_reason, out.hung_up) == (2, "length", False)
 
 
 def test_classify():
-    assert soak.classify(outcome()) == "completed"
-    assert soak.classify(outcome(status=429, ok=False, retry_after=True)) == "rejected"
-    assert soak.classify(outcome(status=503, ok=False, retry_after=True)) == "rejected"
-    assert soak.classify(outcome(status=429, ok=False)) == "failed"  # no Retry-After
-    assert soak.classify(outcome(status=500, ok=False)) == "failed"
-    assert soak.classify(outcome(ok=False, hung_up=True, finish=None)) == "disconnected"
+    assert outcomes.classify(outcome()) == "completed"
+    assert outcomes.classify(outcome(status=429, ok=False, retry_after=True)) == "rejected"
+    assert outcomes.classify(outcome(status=503, ok=False, retry_after=True)) == "rejected"
+    assert outcomes.classify(outcome(status=429, ok=False)) == "failed"  # no Retry-After
+    assert outcomes.classify(outcome(status=500, ok=False)) == "failed"
+    assert outcomes.classify(outcome(ok=False, hung_up=True, finish=None)) == "disconnected"
     short = outcome(tokens=7)
-    assert soak.classify(short) == "failed" and soak.failure_reason(short) == "finished with 7 of 8 tokens"
+    assert outcomes.classify(short) == "failed" and outcomes.failure_reason(short) == "finished with 7 of 8 tokens"
     no_finish = outcome(finish=None)
-    assert soak.classify(no_finish) == "failed" and "without finish_reason" in soak.failure_reason(no_finish)
-    assert soak.classify(outcome(unfinished=True)) == "failed"
+    assert outcomes.classify(no_finish) == "failed" and "without finish_reason" in outcomes.failure_reason(no_finish)
+    assert outcomes.classify(outcome(unfinished=True)) == "failed"
 
 
 def test_tally_counts_every_request_once():
@@ -73,8 +73,8 @@ def test_tally_counts_every_request_once():
 
 def test_hangups_are_seeded_and_fall_inside_the_request():
     items = [WorkItem("p", 10, 1 + i % 50, 0.0) for i in range(4000)]
-    plan = soak.plan_hangups(items, 0.25, 3.0, seed=1)
-    assert plan == soak.plan_hangups(items, 0.25, 3.0, seed=1)
+    plan = outcomes.plan_hangups(items, 0.25, 3.0, seed=1)
+    assert plan == outcomes.plan_hangups(items, 0.25, 3.0, seed=1)
     chosen = [(h, it) for h, it in zip(plan, items, strict=True) if h is not None]
     assert 0.22 < len(chosen) / len(items) < 0.28
     early = [h for h, _ in chosen if h.after_tokens == 0]
@@ -92,7 +92,7 @@ def test_soak_items_are_poisson_arrivals_over_the_duration():
 
 def test_capacity_counts_tokens_after_the_warmup():
     r = RequestRecord(True, ttft_s=1.0, tbt_s=[1.0] * 9, start_s=0.0, e2e_s=10.0)  # chunks at 1..10 s
-    c = soak.capacity_from([soak.Outcome(r)], [WorkItem("p", 4, 10, 0.0)], skip_s=4.5, end_s=8.5)
+    c = soak.capacity_from([outcomes.Outcome(r)], [WorkItem("p", 4, 10, 0.0)], skip_s=4.5, end_s=8.5)
     assert c["output_tok_s"] == pytest.approx(1.0) and c["capacity_req_s"] == pytest.approx(0.1)
     assert c["completed_req_s"] == 0.0  # it ended at 10 s, after the window
 
@@ -102,14 +102,14 @@ def test_rss_sums_the_process_tree():
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "ready\n"
-        assert child.pid in soak.tree_pids(os.getpid())
-        alone = soak.rss_mb(child.pid)
+        assert child.pid in watch.tree_pids(os.getpid())
+        alone = watch.rss_mb(child.pid)
         own = int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / (1 << 20)
-        assert alone >= 64 and soak.rss_mb(os.getpid()) >= own + alone - 8
+        assert alone >= 64 and watch.rss_mb(os.getpid()) >= own + alone - 8
     finally:
         child.kill()
         child.wait()
-    assert soak.rss_mb(None) is None
+    assert watch.rss_mb(None) is None
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from bench.workload import (
+from bench.live.workload import (
     MAX_PROMPT_TOKENS,
     MAX_TOTAL_TOKENS,
     MIN_TOKENS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 
-from bench.live import wait_for
+from bench.live.server import wait_for
 
 
 def free_hbm_blocks(server) -> int:

@@ -8,7 +8,7 @@ import asyncio
 import openai
 import pytest
 
-from bench.live import start_server, wait_for
+from bench.live.server import start_server, wait_for
 
 TOPICS = [
     "the ocean", "a mountain village", "trains", "the moon", "bread baking", "a lost cat",

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.live import start_server, wait_for
+from bench.live.server import start_server, wait_for
 from tests.reliability.live import children_of
 
 

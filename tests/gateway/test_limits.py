@@ -11,7 +11,7 @@ import time
 import aiohttp
 import pytest
 
-from bench.live import start_server, wait_for
+from bench.live.server import start_server, wait_for
 from services.gateway.api import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_K, CompletionRequest
 from services.gateway.errors import ApiError
 from services.gateway.params import max_new_tokens

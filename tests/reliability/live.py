@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 
-from bench.live import children_of
+from bench.live.server import children_of
 
 MAX_TOKENS = 48
 PROMPTS = [

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 from structlog.testing import capture_logs
 
-from bench.live import REPO, STARTUP_TIMEOUT_S, free_port
+from bench.live.server import REPO, STARTUP_TIMEOUT_S, free_port
 from services import cli
 from shared import protocol as p, zmqsec
 from tests.scaleout.cluster import health, post_json, spawn, wait_until

@@ -18,7 +18,7 @@ import time
 import aiohttp
 import pytest
 
-from bench.live import REPO, Server, free_port, start_server
+from bench.live.server import REPO, Server, free_port, start_server
 from services.admin_cli import AdminClient, AdminFailure
 from shared import protocol as p
 from tests.reliability.live import child_by_role

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.live import start_server
+from bench.live.server import start_server
 
 pytestmark = pytest.mark.skipif(shutil.which("schemathesis") is None and not
                                 (Path(sys.executable).parent / "schemathesis").exists(),

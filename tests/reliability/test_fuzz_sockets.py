@@ -16,10 +16,9 @@ import uuid
 import msgspec
 import zmq
 import zmq.asyncio
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from bench.live import REPO
+from bench.live.server import REPO
 from services.gateway.scheduler_client import SchedulerClient
 from services.scheduler.core import SchedulerConfig
 from services.scheduler.service import SchedulerService

@@ -11,7 +11,7 @@ import time
 import aiohttp
 import pytest
 
-from bench.live import start_server, wait_for
+from bench.live.server import start_server, wait_for
 from tests.reliability.live import PROMPTS, child_by_role, client_for, stream_all, stream_one
 
 

@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.live import REPO, free_port
+from bench.live.server import REPO, free_port
 
 
 @dataclass

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bench.live import STARTUP_TIMEOUT_S
+from bench.live.server import STARTUP_TIMEOUT_S
 from tests.scaleout.cluster import health, post_json, start_gateway, start_pair, wait_until
 
 BIG_HBM_BLOCKS = 256

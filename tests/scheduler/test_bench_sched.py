@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench import sched
+from bench.micro import sched
 
 
 def test_bench_sched_writes_rows(tmp_path):

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from bench import calibrate
-from bench.costmodel import StepWork, hardware_from_dict
+from bench.sim import calibrate
+from bench.sim.costmodel import StepWork, hardware_from_dict
 from services.worker.kv_pool import KVSpec
 
 

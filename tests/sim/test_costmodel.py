@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.costmodel import (
+from bench.sim.costmodel import (
     GB,
     MODELS,
     MODES,

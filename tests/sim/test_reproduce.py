@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import csv
 
-from bench import reproduce
+from bench.report import reproduction
+from bench.report.rows import BASELINES
+from bench.sim import reproduce
 
 
 def row(policy: str, rate: float, ttft: float, tbt: float = 0.9) -> dict:
@@ -20,9 +22,9 @@ def test_lead_cell_names_the_largest_lead_and_the_worst_deficit():
         row("sf", 8, 0.6),
         row("wf", 8, 0.95),
     ]
-    assert reproduce.lead_cell(rows, ("fcfs",)) == "**+40.0** at 8 req/s (TBT 5.0 below)"
-    assert reproduce.lead_cell(rows, ("wf",)) == "never ahead; -5.0 at 8 req/s"
-    assert reproduce.lead_cell(rows, reproduce.BASELINES) == "never ahead; -5.0 at 8 req/s"
+    assert reproduction.lead_cell(rows, ("fcfs",)) == "**+40.0** at 8 req/s (TBT 5.0 below)"
+    assert reproduction.lead_cell(rows, ("wf",)) == "never ahead; -5.0 at 8 req/s"
+    assert reproduction.lead_cell(rows, BASELINES) == "never ahead; -5.0 at 8 req/s"
 
 
 def test_reproduce_writes_every_section_from_one_run(tmp_path):

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import replace
 
 import pytest
 
-from bench import sim
-from bench.costmodel import MODELS, load_hardware
-from bench.workload import WorkItem, arrival_times, with_arrivals
+from bench.live.workload import WorkItem, arrival_times, with_arrivals
+from bench.sim import engine, sweep
+from bench.sim.costmodel import MODELS, PROFILE_DIR, load_hardware
 from services.scheduler.core import POLICIES, SchedulerConfig
 
 QWEN = MODELS["qwen2.5-32b"]
@@ -24,20 +25,20 @@ def items_of(num: int, rate: float, seed: int = 0, prompt=(20, 400), output=(10,
 
 def setup_of(
     policy: str, hbm: int | None = None, mode: str = "duplex", check: bool = False, dram: int | None = None, **kw
-) -> sim.SimSetup:
+) -> engine.SimSetup:
     cfg = SchedulerConfig(policy=policy, max_batched_tokens=2048, max_num_seqs=256, **kw)
-    return sim.make_setup(load_hardware("gh200"), QWEN, cfg, mode, hbm=hbm, dram=dram, check=check)
+    return engine.make_setup(load_hardware("gh200"), QWEN, cfg, mode, hbm=hbm, dram=dram, check=check)
 
 
 def strip_wall(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in sim.WALL_KEYS} for r in rows]
+    return [{k: v for k, v in r.items() if k not in sweep.WALL_KEYS} for r in rows]
 
 
 # ---------------------------------------------------------------- the clock
 
 
 def test_clock_overlapping_copies_hide_behind_the_previous_compute():
-    c = sim.Clock(overlap_copies=True)
+    c = engine.Clock(overlap_copies=True)
     # Idle worker: planned at 0, scheduling 0.01, compute 0.05.
     assert c.step(0.0, 0.0, 0.01, 0.05, 0.0, 0.0, False) == pytest.approx((0.01, 0.06))
     # Planned when step 1 started (0.01): scheduling and a 0.03 s swap-in end by 0.05,
@@ -53,7 +54,7 @@ def test_clock_overlapping_copies_hide_behind_the_previous_compute():
 def test_clock_serial_copies_follow_the_previous_step():
     """As the live worker runs plans: copies start after the previous step, compute waits
     for the swap-ins, the step ends when compute and the out-copies are done."""
-    c = sim.Clock(overlap_copies=False)
+    c = engine.Clock(overlap_copies=False)
     assert c.step(0.0, 0.0, 0.01, 0.05, 0.02, 0.03, True) == pytest.approx((0.03, 0.08))
     # Planned at 0.03 while step 1 computes; its copies wait for step 1's end (0.08).
     assert c.step(0.03, 0.08, 0.01, 0.05, 0.02, 0.02, True) == pytest.approx((0.10, 0.15))
@@ -65,7 +66,7 @@ def test_clock_serial_copies_follow_the_previous_step():
 
 def test_every_request_gets_exactly_its_output_length():
     items = items_of(40, rate=5.0)
-    run = sim.simulate(items, setup_of("lvf", hbm=200, dram=400, check=True))
+    run = engine.simulate(items, setup_of("lvf", hbm=200, dram=400, check=True))
     for it, rec in zip(items, run.records):
         assert rec.ok and rec.output_tokens == it.output_tokens
         assert len(rec.tbt_s) == it.output_tokens - 1
@@ -79,7 +80,7 @@ def test_invariants_hold_after_every_step_under_memory_pressure(policy):
     """HBM holds a few requests' worth, DRAM a few more: preemption, rotation and the
     recompute fallback (DRAM full) all happen; the invariants are checked every step."""
     items = items_of(60, rate=30.0, seed=1)
-    run = sim.simulate(items, setup_of(policy, hbm=80, dram=60, check=True, xfer_budget=64))
+    run = engine.simulate(items, setup_of(policy, hbm=80, dram=60, check=True, xfer_budget=64))
     assert run.stats["num_finished"] == len(items)
     assert run.stats["num_preemptions"] > 0
     if policy != "fcfs":
@@ -89,7 +90,7 @@ def test_invariants_hold_after_every_step_under_memory_pressure(policy):
 @pytest.mark.parametrize("depth", [1, 2])
 def test_pipeline_depths_agree_on_outputs(depth):
     items = items_of(40, rate=10.0, seed=5)
-    run = sim.simulate(items, replace(setup_of("lvf", hbm=150, dram=300, check=True), pipeline_depth=depth))
+    run = engine.simulate(items, replace(setup_of("lvf", hbm=150, dram=300, check=True), pipeline_depth=depth))
     assert [r.output_tokens for r in run.records] == [it.output_tokens for it in items]
 
 
@@ -99,24 +100,24 @@ def test_planning_ahead_hides_scheduling_time():
     items = items_of(30, rate=2.0, seed=6)
     base = setup_of("fcfs")
     slow = replace(base, sched_time="20")  # 20 ms per schedule() call
-    d2 = [sim.simulate(items, replace(s, pipeline_depth=2)).duration_s for s in (base, slow)]
-    d1 = [sim.simulate(items, replace(s, pipeline_depth=1)).duration_s for s in (base, slow)]
+    d2 = [engine.simulate(items, replace(s, pipeline_depth=2)).duration_s for s in (base, slow)]
+    d1 = [engine.simulate(items, replace(s, pipeline_depth=1)).duration_s for s in (base, slow)]
     assert d2[1] - d2[0] < 0.25 * (d1[1] - d1[0])
 
 
 def test_same_seed_same_rows():
     items = items_of(80, rate=20.0, seed=3)
-    jobs = [sim.Job(20.0, setup_of(p, hbm=300)) for p in ("lvf", "fcfs")]
-    a = sim.sweep(items, jobs, 5.0, 0.1, seed=3)
-    b = sim.sweep(items, jobs, 5.0, 0.1, seed=3)
+    jobs = [sweep.Job(20.0, setup_of(p, hbm=300)) for p in ("lvf", "fcfs")]
+    a = sweep.sweep(items, jobs, 5.0, 0.1, seed=3)
+    b = sweep.sweep(items, jobs, 5.0, 0.1, seed=3)
     assert strip_wall(a) == strip_wall(b)
-    c = sim.sweep(items, jobs, 5.0, 0.1, seed=4)  # other arrivals
+    c = sweep.sweep(items, jobs, 5.0, 0.1, seed=4)  # other arrivals
     assert strip_wall(a) != strip_wall(c)
 
 
 def test_low_rate_all_policies_meet_the_slos():
     items = items_of(40, rate=0.5, seed=2)
-    rows = sim.sweep(items, [sim.Job(0.5, setup_of(p)) for p in POLICIES], 5.0, 0.1)
+    rows = sweep.sweep(items, [sweep.Job(0.5, setup_of(p)) for p in POLICIES], 5.0, 0.1)
     for r in rows:
         assert r["ttft_attainment"] == 1.0, r
         assert r["tbt_attainment"] >= 0.99, r
@@ -126,7 +127,7 @@ def test_low_rate_all_policies_meet_the_slos():
 
 def test_overloaded_gh200_lvf_beats_fcfs_on_ttft():
     items = items_of(150, rate=20.0)
-    rows = sim.sweep(items, [sim.Job(20.0, setup_of(p, hbm=300)) for p in ("lvf", "fcfs")], 5.0, 0.1)
+    rows = sweep.sweep(items, [sweep.Job(20.0, setup_of(p, hbm=300)) for p in ("lvf", "fcfs")], 5.0, 0.1)
     lvf, fcfs = rows
     assert lvf["ttft_attainment"] > fcfs["ttft_attainment"] + 0.2, (lvf, fcfs)
     assert lvf["num_rotations_out"] > 0 and fcfs["num_recomputes"] > 0
@@ -135,7 +136,7 @@ def test_overloaded_gh200_lvf_beats_fcfs_on_ttft():
 def test_naive_transfers_slow_lvf_down():
     """The ablation's direction: the same LVF decisions cost more time on naive copies."""
     items = items_of(150, rate=20.0)
-    rows = sim.sweep(items, [sim.Job(20.0, setup_of("lvf", hbm=300, mode=m)) for m in ("duplex", "naive")], 5.0, 0.1)
+    rows = sweep.sweep(items, [sweep.Job(20.0, setup_of("lvf", hbm=300, mode=m)) for m in ("duplex", "naive")], 5.0, 0.1)
     duplex, naive = rows
     assert naive["xfer_ms_mean"] > 5 * duplex["xfer_ms_mean"]
     assert naive["duration_s"] > duplex["duration_s"]
@@ -143,14 +144,14 @@ def test_naive_transfers_slow_lvf_down():
 
 def test_cli_writes_rows(tmp_path, monkeypatch):
     items = items_of(30, rate=1.0)
-    monkeypatch.setattr(sim, "load_items", lambda *a, **k: [replace(i, prompt="x") for i in items])
+    monkeypatch.setattr(sweep, "load_items", lambda *a, **k: [replace(i, prompt="x") for i in items])
     out_json, out_csv = tmp_path / "rows.json", tmp_path / "rows.csv"
-    parser = sim.argparse.ArgumentParser()
-    sim.add_arguments(parser)
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
     args = parser.parse_args(
         ["--rates", "2,8", "--policies", "lvf,wf", "--alpha", "1,3", "--json", str(out_json), "--csv", str(out_csv)]
     )
-    assert sim.run(args) == 0
+    assert sweep.run(args) == 0
     rows = json.loads(out_json.read_text())["rows"]
     assert len(rows) == 2 * 2 * 2
     assert {(r["policy"], r["rate"], r["alpha"]) for r in rows} == {
@@ -170,7 +171,7 @@ def test_cli_writes_rows(tmp_path, monkeypatch):
 
 
 def test_calibrated_profile_refuses_other_models(tmp_path):
-    profile = json.loads((sim.Path(sim.__file__).parent / "profiles" / "gh200.json").read_text())
+    profile = json.loads((PROFILE_DIR / "gh200.json").read_text())
     profile["linear"] = {
         "model": "smollm2",
         "overhead_s": 0.01,
@@ -180,20 +181,20 @@ def test_calibrated_profile_refuses_other_models(tmp_path):
     }
     path = tmp_path / "lin.json"
     path.write_text(json.dumps(profile))
-    parser = sim.argparse.ArgumentParser()
-    sim.add_arguments(parser)
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
     with pytest.raises(ValueError, match="calibrated on"):
-        sim.run(parser.parse_args(["--hardware", str(path), "--model", "qwen2.5-32b"]))
+        sweep.run(parser.parse_args(["--hardware", str(path), "--model", "qwen2.5-32b"]))
 
 
 def test_trace_arrivals_are_detected(tmp_path):
     timed, untimed = tmp_path / "t.jsonl", tmp_path / "u.jsonl"
     timed.write_text('\n{"prompt": "hi", "output_tokens": 4, "arrival_s": 0.5}\n')
     untimed.write_text('{"prompt": "hi", "output_tokens": 4}\n')
-    assert sim.trace_has_arrivals(timed) and not sim.trace_has_arrivals(untimed)
+    assert sweep.trace_has_arrivals(timed) and not sweep.trace_has_arrivals(untimed)
 
 
 def test_a_timed_trace_keeps_its_arrivals():
     items = [WorkItem("", 50, 5, t) for t in (0.0, 3.0, 7.0)]
-    row = sim.sweep(items, [sim.Job(100.0, setup_of("fcfs"))], 5.0, 0.1, redraw=False)[0]
+    row = sweep.sweep(items, [sweep.Job(100.0, setup_of("fcfs"))], 5.0, 0.1, redraw=False)[0]
     assert row["duration_s"] > 7.0  # not squeezed into 100 req/s

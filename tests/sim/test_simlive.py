@@ -10,10 +10,10 @@ from dataclasses import asdict
 
 import pytest
 
-from bench import simlive
-from bench.costmodel import PROFILE_DIR, StepWork, hardware_from_dict
-from bench.report import RequestRecord
-from bench.workload import WorkItem, arrival_times, with_arrivals
+from bench.live.workload import WorkItem, arrival_times, with_arrivals
+from bench.report.metrics import RequestRecord
+from bench.sim import replay, simlive
+from bench.sim.costmodel import PROFILE_DIR, StepWork, hardware_from_dict
 
 PROFILE = {
     "name": "t",
@@ -32,7 +32,7 @@ PROFILE = {
     "kv_dram_gb": 1.0,
     "link": {"curve": [[12288, 2.0], [737280, 12.0], [47185920, 12.0]], "dram_gbs": 13.0},
 }
-POOLS = simlive.Pools(num_hbm_blocks=96, num_dram_blocks=2000, max_model_len=96 * 16)
+POOLS = replay.Pools(num_hbm_blocks=96, num_dram_blocks=2000, max_model_len=96 * 16)
 
 
 def items_of(num: int, rate: float, seed: int = 0) -> list[WorkItem]:
@@ -49,12 +49,12 @@ def test_replay_rederives_every_plan_of_a_simulated_run(policy, monkeypatch):
     """The simulator plans as the live loop does; fed its arrivals and result times, the
     replay builds the same plans (LVF under memory pressure: rotations every few steps).
     The simulator plans at the very instant a result is back, so the replay must too."""
-    monkeypatch.setattr(simlive, "SCHEDULE_LAG_S", 0.0)
+    monkeypatch.setattr(replay, "SCHEDULE_LAG_S", 0.0)
     items = items_of(40, 3.0)
     setting = simlive.Setting(policy=policy, hbm_blocks=POOLS.num_hbm_blocks)
     run = simlive.simulate(items, PROFILE, setting, POOLS)
     assert policy == "fcfs" or run.stats["num_preemptions"] > 100
-    plans = simlive.replay_plans(
+    plans = replay.replay_plans(
         items, [it.arrival_s for it in items], run.step_end_s, setting.scheduler_config(), POOLS
     )
     assert [n for _, n in plans] == run.step_num_sampled
@@ -64,20 +64,20 @@ def test_replay_rederives_every_plan_of_a_simulated_run(policy, monkeypatch):
 def test_served_steps_scale_the_step_model_that_priced_them(monkeypatch):
     """Steps served 2.5x slower than a known model priced them, paired with their replayed
     work, scale that model by 2.5: the calibrated profile prices them as served."""
-    monkeypatch.setattr(simlive, "SCHEDULE_LAG_S", 0.0)
+    monkeypatch.setattr(replay, "SCHEDULE_LAG_S", 0.0)
     items = items_of(30, 2.0, seed=1)
     setting = simlive.Setting(hbm_blocks=POOLS.num_hbm_blocks)
     run = simlive.simulate(items, PROFILE, setting, POOLS)
-    plans = simlive.replay_plans(
+    plans = replay.replay_plans(
         items, [it.arrival_s for it in items], run.step_end_s, setting.scheduler_config(), POOLS
     )
     steps = [{"num_tokens": n, "compute_s": 2.5 * ms / 1e3} for n, ms in zip(run.step_num_sampled, run.compute_ms)]
-    samples, same = simlive.step_samples(plans, steps)
+    samples, same = replay.step_samples(plans, steps)
     assert same == 1.0 and len(samples) > 100
-    scale = simlive.served_ratio(samples, PROFILE)
+    scale = replay.served_ratio(samples, PROFILE)
     assert scale == pytest.approx(2.5)
-    prof = json.loads(json.dumps(simlive.live_profile(PROFILE, scale, gap_s=0.0005, latency_s=0.008)))
-    assert simlive.served_ratio(samples, prof) == pytest.approx(1.0)
+    prof = json.loads(json.dumps(replay.live_profile(PROFILE, scale, gap_s=0.0005, latency_s=0.008)))
+    assert replay.served_ratio(samples, prof) == pytest.approx(1.0)
     hw = hardware_from_dict(prof)
     assert (hw.step_gap_s, hw.client_latency_s, prof["live_scale"]) == pytest.approx((0.0005, 0.008, 2.5))
     assert prof["link"] == PROFILE["link"] and PROFILE["linear"]["overhead_s"] == 0.015  # the input is kept
@@ -92,7 +92,7 @@ def test_step_samples_pair_in_order_and_skip_empty_steps():
         {"num_tokens": 0, "compute_s": 0.0001},  # drops only
         {"num_tokens": 2, "compute_s": 0.06},  # the replay sampled 1: paired all the same
     ]
-    samples, same = simlive.step_samples(plans, steps)
+    samples, same = replay.step_samples(plans, steps)
     assert [s for _, s in samples] == [0.05, 0.06]
     assert same == pytest.approx(2 / 3)
 
@@ -109,7 +109,7 @@ def test_step_gap_counts_only_busy_steps():
         {"t": 5.0, "compute_s": 0.05, "transfer_wait_s": 0.0, "plan_wait_s": 4.8},  # after idle
         {"t": 5.053, "compute_s": 0.05, "transfer_wait_s": 0.0, "plan_wait_s": 0.0},  # 3 ms
     ]
-    assert simlive.step_gap_s(steps) == pytest.approx(0.002)
+    assert replay.step_gap_s(steps) == pytest.approx(0.002)
 
 
 def finished_line(rid: str, ts: str, prompt: int, output: int, ttft: float, running: float) -> str:
@@ -132,7 +132,7 @@ def test_requests_match_the_scheduler_log_in_arrival_order(tmp_path):
     ]
     log.write_text("\n".join(lines) + "\n")
     t0 = 1767225600.0  # 2026-01-01T00:00:00Z
-    finishes = simlive.scheduler_finishes(log, t0 + 0.1, t0 + 20)
+    finishes = replay.scheduler_finishes(log, t0 + 0.1, t0 + 20)
     assert sorted(e["request_id"] for e in finishes) == ["a", "b", "c"]
     assert min(e["arrival"] for e in finishes) == pytest.approx(t0 + 0.5)
     records = [
@@ -141,9 +141,9 @@ def test_requests_match_the_scheduler_log_in_arrival_order(tmp_path):
         RequestRecord(ok=True, ttft_s=0.22, prompt_tokens=50, output_tokens=8, start_s=2.49),
         RequestRecord(ok=False, prompt_tokens=50, output_tokens=0, start_s=3.0),
     ]
-    matched = simlive.match_requests(records, finishes)
+    matched = replay.match_requests(records, finishes)
     assert {i: e["request_id"] for i, e in matched.items()} == {0: "c", 1: "a", 2: "b"}
-    assert sorted(simlive.client_latencies(records, matched)) == pytest.approx([0.01, 0.01, 0.02])
+    assert sorted(replay.client_latencies(records, matched)) == pytest.approx([0.01, 0.01, 0.02])
 
 
 # ---------------------------------------------------------------- the simulator's live terms

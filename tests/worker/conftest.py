@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.model import transformers_model
+from bench.micro.model import transformers_model
 from services.worker.model import LlamaModel
 from services.worker.runner import ModelRunner, allocate_kv_pool
 from services.worker.weights import load_weights

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench import model as bench_model
+from bench.micro import model as bench_model
 from tests.worker.test_weights import tiny_checkpoint
 
 

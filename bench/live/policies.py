@@ -17,10 +17,10 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from bench import serve as serve_bench
-from bench.live import start_server
-from bench.report import summarize
-from bench.workload import arrival_times, with_arrivals
+from bench.live import serve as serve_bench
+from bench.live.server import start_server
+from bench.live.workload import arrival_times, with_arrivals
+from bench.report.metrics import summarize
 from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 
 

@@ -30,27 +30,24 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import random
 import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 
-from bench.live import children_of, free_port, start_server
-from bench.report import RequestRecord, percentiles_ms
-from bench.serve import HUNG_UP, error_message, first_model, read_stream, request_body
-from bench.workload import WorkItem, arrival_times, sample_sharegpt, sharegpt_conversations
+from bench.live.outcomes import KINDS, Outcome, attempt, classify, failure_reason, new_outcome, plan_hangups
+from bench.live.serve import first_model, request_body
+from bench.live.server import free_port, start_server
+from bench.live.watch import idle_state, rss_by_process, rss_mb, scheduler_delta, wait_idle
+from bench.live.workload import WorkItem, arrival_times, sample_sharegpt, sharegpt_conversations
+from bench.report.metrics import RequestRecord, percentiles_ms
 from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 
-REFUSALS = (429, 503)  # with Retry-After: the server said no, not lost
 RSS_GOAL_PCT = 5.0
-KINDS = ("completed", "disconnected", "failed", "rejected")
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,117 +82,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--url", default=None, help="soak this server instead of starting one")
     g.add_argument("--admin", default=None, help="its scheduler's admin address")
     g.add_argument("--server-pid", type=int, default=None, help="its `superinfer serve` pid, for RSS")
-
-
-# ---------------------------------------------------------------- one request
-
-
-@dataclass(frozen=True)
-class Hangup:
-    """Where a request leaves on purpose: after `after_tokens` streamed chunks; with 0,
-    after `patience_s` without an answer, or on the answer if it comes first."""
-
-    after_tokens: int
-    patience_s: float
-
-
-def plan_hangups(items: list[WorkItem], frac: float, patience_s: float, seed: int) -> list[Hangup | None]:
-    rng = random.Random(f"hangups-{seed}")
-    plan: list[Hangup | None] = []
-    for item in items:
-        if rng.random() >= frac:
-            plan.append(None)
-        elif rng.random() < 0.5 or item.output_tokens < 2:
-            plan.append(Hangup(0, rng.uniform(0.0, patience_s)))
-        else:
-            plan.append(Hangup(rng.randint(1, item.output_tokens - 1), math.inf))
-    return plan
-
-
-@dataclass
-class Outcome:
-    """One request as the client saw it; `record` holds its timings (bench.report)."""
-
-    record: RequestRecord
-    hangup: Hangup | None = None
-    status: int | None = None
-    retry_after: bool = False
-    num_chunks: int = 0
-    finish_reason: str | None = None
-    hung_up: bool = False
-    unfinished: bool = False  # still open when the drain timeout ran out
-    ended: bool = False
-
-    def on_event(self, event: dict) -> bool:
-        """read_stream's hook: note chunks and the finish reason; True where we hang up."""
-        choices = event.get("choices") or []
-        if choices and self.hangup is not None and self.num_chunks >= self.hangup.after_tokens:
-            self.hung_up = True
-            return True
-        if choices:
-            self.num_chunks += 1
-            self.finish_reason = choices[0].get("finish_reason") or self.finish_reason
-        return False
-
-
-def classify(o: Outcome) -> str:
-    if o.status in REFUSALS and o.retry_after:
-        return "rejected"
-    if o.hung_up:
-        return "disconnected"
-    r = o.record
-    if r.ok and o.finish_reason and r.output_tokens == r.expected_output_tokens and not o.unfinished:
-        return "completed"
-    return "failed"
-
-
-def failure_reason(o: Outcome) -> str:
-    r = o.record
-    if o.unfinished:
-        return "still open after the drain timeout"
-    if r.error:
-        return r.error
-    if not o.finish_reason:
-        return "stream ended without finish_reason"
-    return f"finished with {r.output_tokens} of {r.expected_output_tokens} tokens"
-
-
-async def attempt(session: aiohttp.ClientSession, url: str, body: dict, out: Outcome, t0: float) -> None:
-    """Send one streamed completion and fill `out`; never raises but for cancellation."""
-    try:
-        await _attempt(session, url, body, out, t0)
-    finally:
-        out.ended = True
-
-
-async def _attempt(session: aiohttp.ClientSession, url: str, body: dict, out: Outcome, t0: float) -> None:
-    start = time.perf_counter()
-    out.record.start_s = start - t0
-    patience = out.hangup.patience_s if out.hangup and out.hangup.after_tokens == 0 else math.inf
-    try:
-        async with asyncio.timeout(None if math.isinf(patience) else patience) as waited:
-            resp = await session.post(url, json=body)
-    except (aiohttp.ClientError, TimeoutError) as e:
-        out.hung_up = isinstance(e, TimeoutError) and waited.expired()
-        out.record.error = HUNG_UP if out.hung_up else f"{type(e).__name__}: {e}"[:160]
-        return
-    async with resp:
-        out.status = resp.status
-        try:
-            if resp.status != 200:
-                out.retry_after = "Retry-After" in resp.headers
-                out.record.error = f"HTTP {resp.status}: {error_message(await resp.text())}"
-            else:
-                await read_stream(resp, out.record, start, out.on_event)
-        except (aiohttp.ClientError, TimeoutError) as e:
-            out.record.error = f"{type(e).__name__}: {e}"[:160]
-
-
-def new_outcome(item: WorkItem, hangup: Hangup | None = None) -> Outcome:
-    record = RequestRecord(
-        False, prompt_tokens=item.prompt_tokens, expected_output_tokens=item.output_tokens, arrival_s=item.arrival_s
-    )
-    return Outcome(record, hangup)
 
 
 # ---------------------------------------------------------------- phases
@@ -265,76 +151,7 @@ async def open_loop(session, url: str, model: str, items: list[WorkItem], hangup
     return outcomes
 
 
-# ---------------------------------------------------------------- the server's side
-
-
-def tree_pids(pid: int) -> list[int]:
-    """`pid` and all its descendants."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children_of(p)
-    return out
-
-
-def role_of(argv: list[bytes], pid: int) -> str:
-    """`worker` for `python -m services.cli worker ...`; the pid for anything else."""
-    if b"services.cli" in argv[:-1]:
-        return argv[argv.index(b"services.cli") + 1].decode(errors="replace")
-    return str(pid)
-
-
-def rss_by_process(pid: int | None) -> dict[str, float]:
-    """Resident memory of each process of a tree, MiB, by role (shared pages count once
-    per process)."""
-    out: dict[str, float] = {}
-    for p in tree_pids(pid) if pid is not None else []:
-        try:
-            pages = int(Path(f"/proc/{p}/statm").read_text().split()[1])
-            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        role = role_of(argv, p)
-        out[role if role not in out else f"{role}:{p}"] = pages * PAGE_BYTES / (1 << 20)
-    return out
-
-
-def rss_mb(pid: int | None) -> float | None:
-    """Resident memory of a process tree, MiB."""
-    return None if pid is None else sum(rss_by_process(pid).values())
-
-
-def admin_stats(addr: str):
-    from services.admin_cli import AdminClient
-    from shared import protocol as p
-
-    client = AdminClient(addr, timeout_s=10.0)
-    try:
-        return client.ask(p.StatsQuery())
-    finally:
-        client.close()
-
-
-def idle_state(reply) -> tuple[int, int]:
-    """(live requests, KV blocks in use) from a StatsReply."""
-    st = reply.stats
-    used = st.num_hbm_blocks - st.num_free_hbm_blocks + st.num_dram_blocks - st.num_free_dram_blocks
-    return st.num_running + st.num_waiting + st.num_rotary, used
-
-
-async def wait_idle(addr: str, timeout_s: float, settle_s: float = 5.0):
-    """Poll until nothing is live and no block is used, or nothing has been live for
-    `settle_s` (blocks still used then are leaked), or `timeout_s`. The last reply."""
-    deadline, idle_since = time.monotonic() + timeout_s, None
-    while True:
-        reply = await asyncio.to_thread(admin_stats, addr)
-        live, used = idle_state(reply)
-        now = time.monotonic()
-        idle_since = (idle_since or now) if live == 0 else None
-        if (live == 0 and used == 0) or (idle_since and now - idle_since >= settle_s) or now >= deadline:
-            return reply
-        await asyncio.sleep(0.5)
+# ---------------------------------------------------------------- the run
 
 
 class Watch:
@@ -370,9 +187,6 @@ class Watch:
         ) + rss
 
 
-# ---------------------------------------------------------------- the run
-
-
 def tally(outcomes: list[Outcome]) -> dict:
     """Counts by kind, failure reasons, and TTFT/TBT of the completed requests (pure)."""
     kinds = [(o, classify(o)) for o in outcomes]
@@ -406,17 +220,6 @@ def soak_items(pool: list[WorkItem], rate: float, duration_s: float, seed: int) 
     while (times := arrival_times(n, rate, seed=seed))[-1] < duration_s:
         n *= 2
     return [replace(pool[i % len(pool)], arrival_s=t) for i, t in enumerate(t for t in times if t < duration_s)]
-
-
-def scheduler_delta(before, after) -> dict:
-    a, b = after.stats, before.stats
-    return {
-        "finished": after.num_finished - before.num_finished,
-        "aborted": after.num_aborted - before.num_aborted,
-        "preemptions": a.num_preemptions - b.num_preemptions,
-        "rotations_out": a.num_rotations_out - b.num_rotations_out,
-        "rotations_in": a.num_rotations_in - b.num_rotations_in,
-    }
 
 
 async def measure_capacity(session, url: str, model: str, pool: list[WorkItem], args) -> dict:

@@ -33,10 +33,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.live import REPO, LaunchError, answers_ready, launch
-from bench.report import RequestRecord, format_summary, summarize
-from bench.serve import first_model, replay
-from bench.workload import SyntheticSpec, WorkItem, load_workload, synthetic_items
+from bench.live.serve import first_model, replay
+from bench.live.server import REPO, LaunchError, answers_ready, launch
+from bench.live.workload import SyntheticSpec, WorkItem, load_workload, synthetic_items
+from bench.report.metrics import RequestRecord, format_summary, summarize
 
 WORKLOADS = ("probe", "sharegpt")
 

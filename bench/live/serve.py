@@ -23,8 +23,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.report import RequestRecord, format_summary, plot_cdfs, summarize
-from bench.workload import SyntheticSpec, WorkItem, load_workload
+from bench.live.workload import SyntheticSpec, WorkItem, load_workload
+from bench.report.metrics import RequestRecord, format_summary, plot_cdfs, summarize
 
 DONE = object()  # the `data: [DONE]` sentinel
 HUNG_UP = "the client hung up"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shared.modelfile import default_model_path, read_model_config
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180
 
 

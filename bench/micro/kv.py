@@ -5,7 +5,7 @@ scattered blocks) in every mode, and measures in the same run the ceiling those 
 held to: on CPU one contiguous copy of the same bytes; on CUDA contiguous pinned copies, one
 direction at a time and both at once. Bandwidths are 1e9 bytes/s, medians of `--reps` runs.
 
-    python -m bench.kv --json bench/results/kv_cpu.json --model smollm2
+    python -m bench.micro.kv --json bench/results/kv_cpu.json --model smollm2
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.kv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bench.micro.kv", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
 MODES = ("naive", "merged", "batched", "duplex")
 GB = 1e9
 

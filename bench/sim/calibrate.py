@@ -17,7 +17,7 @@ now, DRAM = `--dram-gb` (2 GiB, the service's default).
 This times the runner with the machine to itself. Served, the same steps take longer (the
 gateway, the scheduler and the load client share the cores): `bench simlive` fits the same
 four terms on served steps instead and adds two live terms (the `cpu-live` profile,
-bench/costmodel.py); with `--micro` it runs this with `--keep min` (each shape's fastest
+bench/sim/costmodel.py); with `--micro` it runs this with `--keep min` (each shape's fastest
 repetition) and reports the served steps' time over this model's price of them.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.costmodel import GB, MODELS, PROFILE_DIR, StepWork
+from bench.sim.costmodel import GB, MODELS, PROFILE_DIR, StepWork
 from services.worker.kv_pool import DEFAULT_CPU_MEMORY_FRACTION, KVPools, KVSpec, available_ram_bytes
 from services.worker.runner import ModelRunner, allocate_kv_pool, load_model
 from services.worker.transfer import MODES, TransferEngine

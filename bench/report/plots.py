@@ -1,0 +1,90 @@
+"""The PNGs of the simulated figures: attainment vs rate, CDFs per policy, knob sweeps.
+matplotlib is imported when a plot is drawn, so the benches run without it otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.report.metrics import RequestRecord
+
+KNOBS = ("transfer_mode", "xfer_budget", "alpha", "beta_f", "beta_b")  # what a simulated row varies
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_policy_cdfs(recs: dict[str, list[RequestRecord]], path: Path) -> None:
+    """TTFT and TBT CDFs, one line per policy, the SLOs marked."""
+    import numpy as np
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for policy, rs in recs.items():
+        for ax, values in ((axes[0], [r.ttft_s for r in rs if r.ok]), (axes[1], [g for r in rs for g in r.tbt_s])):
+            xs = np.sort(np.asarray(values)) * 1e3
+            ax.step(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), where="post", label=policy)
+    for ax, name, slo in ((axes[0], "TTFT", 5000), (axes[1], "TBT", 100)):
+        ax.axvline(slo, color="red", linestyle="--", linewidth=1)
+        ax.set(xscale="log", xlabel=f"{name} (ms)", ylabel="fraction <= x", title=f"{name} CDF under memory pressure")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_sweep(rows: list[dict], key: str, path: Path, title: str, by: str | None = None) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(str(r[by]) if by else "lvf", []).append(r)
+    for name, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r[key])
+        xs = [r[key] for r in rs]
+        ax.plot(xs, [100 * r["ttft_attainment"] for r in rs], marker="o", label=f"TTFT {name}")
+        ax.plot(xs, [100 * r["tbt_attainment"] for r in rs], marker="s", linestyle="--", label=f"TBT {name}")
+    ax.set(xlabel=key, ylabel="SLO attainment (%)", ylim=(0, 102), title=title)
+    if key == "xfer_budget":
+        ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_attainment(rows: list[dict], out_dir: Path, title: str, name: str = "attainment") -> Path:
+    """TTFT and TBT attainment vs rate, one line per policy (and knob set)."""
+    plt = _plt()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    series: dict[str, list[dict]] = {}
+    for r in rows:
+        series.setdefault(line_label(r, rows), []).append(r)
+    for ax, key, label in ((axes[0], "ttft_attainment", "TTFT"), (axes[1], "tbt_attainment", "TBT")):
+        for name_, rs in series.items():
+            rs = sorted(rs, key=lambda r: r["rate"])
+            ax.plot([r["rate"] for r in rs], [100 * (r[key] or 0) for r in rs], marker="o", label=name_)
+        ax.set(
+            xlabel="request rate (req/s)",
+            ylabel=f"{label} SLO attainment (%)",
+            ylim=(0, 102),
+            title=f"{label} — {title}",
+        )
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    path = out_dir / f"{name}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def line_label(row: dict, rows: list[dict]) -> str:
+    """The policy, plus every knob that varies across `rows`."""
+    varying = [k for k in KNOBS if len({r[k] for r in rows}) > 1]
+    return " ".join([row["policy"], *(f"{k}={row[k]}" for k in varying)])

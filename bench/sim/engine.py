@@ -1,0 +1,290 @@
+"""The simulator: the live scheduler core on a virtual clock, with a cost-model worker
+(`superinfer bench sim` sweeps it: sweep.py).
+
+The steps are driven by the live scheduler's own step driver (services/scheduler/driver.py)
+on a virtual clock (`run_clock`): requests arrive at their times, the driver keeps
+`--pipeline-depth` plans at the worker (2, the live default: plan t+1 is built while t
+computes, so a step stalls only if scheduling takes longer; 1 plans each step after the
+previous result), and a result, synthesized (one token for every request whose scheduled
+tokens reach the end of its known tokens), is applied when the cost model (bench/sim/costmodel.py)
+says its step ends. A request that arrives while a step computes is planned at once if the
+pipeline has room, as the live loop plans after every message. Fed a live run's arrivals
+and result times instead, the same clock re-derives what the live scheduler planned
+(`bench simlive`). Output lengths come from the workload: each request asks `max_tokens` =
+its output length, so it finishes ("length") exactly there. Per request we record TTFT and
+every gap between tokens, then `bench.report.summarize` computes the same metrics as
+`bench serve` does against a live server.
+
+Where copies go (`Clock.step`): with a profile's `pipeline` (GPU profiles, the paper's
+design) step t+1's copies start as soon as its plan exists, overlapping step t's compute,
+and queue on the link behind earlier copies; compute waits only for the swap-ins it reads.
+(The live worker holds back the swap-outs and eager mirrors that read blocks step t still
+writes until t's compute is done; the model does not, and with eager rotation those are
+mostly the one dirty block of each preempted request.) Without it (the `cpu` profile, as
+the live worker executes plans one after the other) a step's copies start after the
+previous step is done, both directions at once, compute waits for the swap-ins, and the
+step ends when compute and the out-direction copies are both done.
+
+A profile measured on the live server (`bench simlive`) adds two of its terms here: the
+worker's gap between two steps (`step_gap_ms`: a step starts that long after the previous
+one ends at the earliest) and the client's latency on top of the scheduler's token times
+(`client_latency_ms`, added to each request's TTFT and end-to-end time).
+
+The scheduling time is modelled (the profile's `sched_ms`, or `--sched-time MS`);
+`--sched-time measured` uses the wall time of the real `schedule()` call instead (runs are
+then no longer bit-for-bit repeatable).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bench.live.workload import WorkItem
+from bench.report.metrics import RequestRecord
+from bench.sim.costmodel import Hardware, ModelShape, StepWork, compute_time, num_kv_blocks, transfer_time
+from services.scheduler.core import SchedulerConfig, SchedulerCore
+from services.scheduler.core.step import Step
+from services.scheduler.driver import Driver
+from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, TokenOutput
+
+TOKEN = 1  # the id every synthesized sample carries (never a stop token: no stop ids are set)
+
+
+# ---------------------------------------------------------------- the clock
+
+
+@dataclass
+class Clock:
+    """When the link is free again; how one step's copies and compute fall in time."""
+
+    overlap_copies: bool  # copies of a step may run during the previous step's compute
+    link_free: float = 0.0
+    gap_s: float = 0.0  # the worker's time between the end of one step and the next's start
+
+    def step(
+        self,
+        plan_at: float,
+        prev_end: float,
+        sched_s: float,
+        compute_s: float,
+        in_s: float,
+        xfer_s: float,
+        reads_in: bool,
+    ) -> tuple[float, float]:
+        """(compute start, step end) of a step planned at `plan_at` after a step ending at
+        `prev_end` (`plan_at` itself when the worker is idle)."""
+        ready = plan_at + sched_s
+        link_start = max(ready, self.link_free if self.overlap_copies else max(self.link_free, prev_end))
+        self.link_free = link_start + xfer_s
+        start = max(prev_end + self.gap_s, ready, link_start + in_s if reads_in else ready)
+        end = start + compute_s
+        return start, end if self.overlap_copies else max(end, self.link_free)
+
+
+# ---------------------------------------------------------------- one run
+
+
+@dataclass
+class SimSetup:
+    """Everything one simulated run depends on (picklable, for the process pool)."""
+
+    cfg: SchedulerConfig
+    hardware: Hardware
+    model: ModelShape
+    transfer_mode: str = "duplex"
+    num_hbm_blocks: int = 0
+    num_dram_blocks: int = 0
+    sched_time: str = "model"  # "model" | "measured" | milliseconds
+    check_invariants: bool = False
+    pipeline_depth: int = 2  # plans at the worker at once, as the live scheduler keeps
+
+
+@dataclass
+class SimRun:
+    records: list[RequestRecord]
+    duration_s: float
+    stats: dict
+    step_ms: list[float] = field(default_factory=list)
+    compute_ms: list[float] = field(default_factory=list)
+    xfer_ms: list[float] = field(default_factory=list)
+    sched_wall_ms: list[float] = field(default_factory=list)
+    stall_s: float = 0.0
+    # What a live step trace shows: when each step's result is back, how many tokens it sampled.
+    step_end_s: list[float] = field(default_factory=list)
+    step_num_sampled: list[int] = field(default_factory=list)
+
+
+def requests_of(items: list[WorkItem]) -> list[AddRequest]:
+    """One AddRequest per item: its prompt length in placeholder ids, `max_tokens` = its
+    output length (no stop ids: the output ends exactly there)."""
+    return [
+        AddRequest(str(i), [TOKEN] * it.prompt_tokens, SamplingParams(max_tokens=it.output_tokens, ignore_eos=True))
+        for i, it in enumerate(items)
+    ]
+
+
+@dataclass
+class InFlight:
+    """A plan at the simulated worker."""
+
+    step_id: int
+    sampled: list[str]  # request ids that sample in this step
+    end: float = math.inf  # when its result is back (the cost model's)
+
+
+def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
+    cfg, hw, model = setup.cfg, setup.hardware, setup.model
+    max_model_len = min(model.max_position, setup.num_hbm_blocks * cfg.block_size)
+    core = SchedulerCore(cfg, setup.num_hbm_blocks, setup.num_dram_blocks, max_model_len)
+    requests = requests_of(items)
+    num_samples = [0] * len(items)  # samples planned so far (emitted + in flight)
+    times: list[list[float]] = [[] for _ in items]
+    clock = Clock(hw.pipeline, gap_s=hw.step_gap_s)
+    run = SimRun([], 0.0, {})
+    fixed_sched = None if setup.sched_time == "measured" else _sched_s(setup.sched_time, hw)
+    check = core.check_invariants if setup.check_invariants else lambda: None
+
+    def send(plan: Plan, step: Step, schedule_s: float) -> InFlight:
+        """The cost-model worker: when the plan's result is back."""
+        run.sched_wall_ms.append(schedule_s * 1e3)
+        check()
+        work, sampled = plan_work(plan, items, num_samples)
+        compute_s = compute_time(hw, model, work)
+        x = transfer_time(
+            hw, model, setup.transfer_mode, len(plan.swap_in), len(plan.swap_out) + len(plan.eager), cfg.block_size
+        )
+        busy = driver.in_flight[-1] if driver.in_flight else None
+        prev_end = busy.end if busy is not None else step.now
+        sched_s = schedule_s if fixed_sched is None else fixed_sched
+        start, end = clock.step(step.now, prev_end, sched_s, compute_s, x.in_s, x.total_s, bool(plan.swap_in))
+        run.stall_s += start - prev_end if busy is not None else 0.0
+        run.step_ms.append((end - prev_end) * 1e3)
+        run.step_end_s.append(end)
+        run.step_num_sampled.append(len(sampled))
+        run.compute_ms.append(compute_s * 1e3)
+        run.xfer_ms.append(x.total_s * 1e3)
+        return InFlight(plan.step_id, sampled, end)
+
+    def idle() -> None:  # a schedule() call that built no plan
+        run.sched_wall_ms.append(driver.schedule_s * 1e3)
+        check()
+
+    def applied(outputs: list[TokenOutput], now: float) -> None:
+        for out in outputs:
+            times[int(out.request_id)].append(now)
+        check()
+
+    driver = Driver(core, send, setup.pipeline_depth, time.perf_counter)
+    arrivals = sorted(((it.arrival_s, req) for it, req in zip(items, requests)), key=lambda a: a[0])
+    run_clock(driver, arrivals, idle=idle, applied=applied)
+    if core.has_unfinished():
+        raise RuntimeError(f"simulation stuck: {core.stats()}")
+    run.records = [_record(it, [t + hw.client_latency_s for t in ts]) for it, ts in zip(items, times)]
+    run.duration_s = max((ts[-1] for ts in times if ts), default=0.0) - min((it.arrival_s for it in items), default=0.0)
+    run.stats = core.stats()
+    return run
+
+
+def run_clock(
+    driver: Driver[InFlight],
+    arrivals: list[tuple[float, AddRequest]],
+    *,
+    start: float = 0.0,
+    result_times: list[float] | None = None,
+    lag_s: float = 0.0,
+    tick_s: float = 0.0,
+    idle: Callable[[], None] = lambda: None,
+    applied: Callable[[list[TokenOutput], float], None] = lambda outputs, now: None,
+) -> None:
+    """The virtual clock around the step driver: events in time order, a result before an
+    arrival at the same time, and after each the driver plans (`lag_s` later).
+
+    An arrival is added at its time. A result is applied to the oldest plan in flight; it
+    comes back at that plan's `end` (the simulator's cost model) or, given `result_times`
+    (a replay of a live run), at the next of those (one with no plan in flight is skipped).
+    A result followed by another within `tick_s`, no arrival between, is planned after
+    both, as the service plans once per tick of its loop. `arrivals` are sorted by time.
+    `idle` is called when the driver had nothing to plan, `applied` with each result's
+    outputs and time."""
+    core, upcoming = driver.core, deque(result_times) if result_times is not None else None
+
+    def next_result() -> float:
+        if upcoming is not None:
+            return upcoming[0] if upcoming else math.inf
+        return driver.in_flight[0].end if driver.in_flight else math.inf
+
+    now, nxt, merged = start, 0, False
+    while True:
+        while nxt < len(arrivals) and arrivals[nxt][0] <= now:
+            core.add_request(arrivals[nxt][1], arrivals[nxt][0])
+            nxt += 1
+        if not merged and driver.step(now + lag_s):
+            idle()
+        arrival, back = arrivals[nxt][0] if nxt < len(arrivals) else math.inf, next_result()
+        if arrival < back:
+            now, merged = max(now, arrival), False
+            continue
+        if back == math.inf:
+            return
+        now = max(now, back)
+        if upcoming is not None:
+            upcoming.popleft()
+        if driver.in_flight:
+            f = driver.in_flight[0]
+            _, outputs = driver.result(StepResult(f.step_id, f.sampled, [TOKEN] * len(f.sampled)), now)
+            applied(outputs, now)
+        following = next_result()
+        merged = following - now < tick_s and following <= arrival
+
+
+def plan_work(plan, items: list[WorkItem], num_samples: list[int]) -> tuple[StepWork, list[str]]:
+    """What the plan computes, and which requests sample: those whose scheduled tokens
+    reach the end of their known tokens (prompt + every sample planned before)."""
+    work, sampled = StepWork(), []
+    for s in plan.scheduled:
+        i = int(s.request_id)
+        samples = s.num_computed_tokens + s.num_new_tokens == items[i].prompt_tokens + num_samples[i]
+        work.add(s.num_computed_tokens, s.num_new_tokens, samples)
+        if samples:
+            num_samples[i] += 1
+            sampled.append(s.request_id)
+    return work, sampled
+
+
+def _sched_s(sched_time: str, hw: Hardware) -> float:
+    return hw.sched_s if sched_time == "model" else float(sched_time) / 1e3
+
+
+def _record(item: WorkItem, token_times: list[float]) -> RequestRecord:
+    if not token_times:
+        return RequestRecord(ok=False, prompt_tokens=item.prompt_tokens, arrival_s=item.arrival_s, error="no output")
+    return RequestRecord(
+        ok=True,
+        ttft_s=token_times[0] - item.arrival_s,
+        tbt_s=[b - a for a, b in zip(token_times, token_times[1:])],
+        e2e_s=token_times[-1] - item.arrival_s,
+        output_tokens=len(token_times),
+        prompt_tokens=item.prompt_tokens,
+        expected_output_tokens=item.output_tokens,
+        arrival_s=item.arrival_s,
+        start_s=item.arrival_s,
+    )
+
+
+def make_setup(
+    hw: Hardware,
+    model: ModelShape,
+    cfg: SchedulerConfig,
+    mode: str,
+    hbm: int | None = None,
+    dram: int | None = None,
+    sched_time: str = "model",
+    check: bool = False,
+    depth: int = 2,
+) -> SimSetup:
+    num_hbm, num_dram = num_kv_blocks(hw, model, cfg.block_size)
+    return SimSetup(cfg, hw, model, mode, hbm or num_hbm, num_dram if dram is None else dram, sched_time, check, depth)

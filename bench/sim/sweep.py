@@ -1,0 +1,299 @@
+"""`superinfer bench sim`: simulated runs over rates and knobs, one result row each.
+
+Each run is `engine.simulate` (the scheduler core driven by the service's step driver on a
+virtual clock, with a cost-model worker); a row holds the knobs, the SLO metrics as `bench
+serve` computes them (`bench.report.metrics.summarize`) and what the scheduler and the
+worker did. Runs go to a process pool with `--jobs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from bench.live.workload import SyntheticSpec, WorkItem, arrival_times, load_workload, with_arrivals
+from bench.report.metrics import summarize
+from bench.report.plots import KNOBS, plot_attainment
+from bench.sim.costmodel import MODELS, Hardware, ModelShape, check_pair, load_hardware
+from bench.sim.engine import SimRun, SimSetup, make_setup, simulate
+from services.scheduler.core import SchedulerConfig
+
+# Row keys that depend on this machine's wall clock, not on the simulation.
+WALL_KEYS = ("wall_s", "sched_wall_ms_p50", "sched_wall_ms_p99")
+
+
+def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: float, wall_s: float) -> dict:
+    """One result row: the knobs, the SLO metrics (as `bench serve` reports them) and what
+    the scheduler and the worker did."""
+    s = summarize(run.records, ttft_slo, tbt_slo, run.duration_s)
+    cfg, st = setup.cfg, run.stats
+    total_s = sum(run.step_ms) / 1e3
+    keep = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p90_ms", "tbt_p99_ms", "e2e_p50_ms")
+    return {
+        "policy": cfg.policy,
+        "rate": rate,
+        **{k: getattr(cfg, k) for k in KNOBS if k != "transfer_mode"},
+        "transfer_mode": setup.transfer_mode,
+        "model": setup.model.name,
+        "hardware": setup.hardware.name,
+        "num_requests": s["num_requests"],
+        "completed": s["completed"],
+        "ttft_attainment": s["ttft_attainment"],
+        "tbt_attainment": s["tbt_attainment"],
+        "tbt_request_attainment": s["tbt_request_attainment"],
+        "slo_attainment": s["slo_attainment"],
+        "throughput_tok_s": s["output_tok_s"],
+        "goodput_rps": s["goodput_rps"],
+        **{k: s[k] for k in keep},
+        **{k: st[k] for k in ("num_preemptions", "num_recomputes", "num_rotations_out", "num_rotations_in")},
+        **{k: st[k] for k in ("num_blocks_swapped_in", "num_blocks_swapped_out", "num_blocks_mirrored", "num_steps")},
+        "num_hbm_blocks": setup.num_hbm_blocks,
+        "num_dram_blocks": setup.num_dram_blocks,
+        "duration_s": run.duration_s,
+        "step_ms_mean": _mean(run.step_ms),
+        "compute_ms_mean": _mean(run.compute_ms),
+        "xfer_ms_mean": _mean(run.xfer_ms),
+        "stall_share": run.stall_s / total_s if total_s else 0.0,
+        "wall_s": wall_s,
+        "sched_wall_ms_p50": _pct(run.sched_wall_ms, 50),
+        "sched_wall_ms_p99": _pct(run.sched_wall_ms, 99),
+    }
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def _pct(xs: list[float], p: int) -> float:
+    if not xs:
+        return 0.0
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(p / 100 * len(ys)))]
+
+
+def run_one(items: list[WorkItem], setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: float) -> dict:
+    t0 = time.perf_counter()
+    run = simulate(items, setup)
+    return row_of(run, setup, rate, ttft_slo, tbt_slo, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- sweeps
+
+
+@dataclass(frozen=True)
+class Job:
+    rate: float
+    setup: SimSetup
+
+
+def sweep(
+    items: list[WorkItem],
+    jobs: list[Job],
+    ttft_slo: float,
+    tbt_slo: float,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    num_procs: int = 1,
+    redraw: bool = True,
+) -> list[dict]:
+    """One row per job; the same requests at every rate, with that rate's arrivals (a trace
+    that brings its own arrivals keeps them: pass `redraw=False`)."""
+    bare = [replace(it, prompt="") for it in items]  # the text is not simulated; keep pickles small
+    timed = lambda rate: with_arrivals(bare, arrival_times(len(bare), rate, burstiness, seed)) if redraw else bare  # noqa: E731
+    args = [(timed(j.rate), j.setup, j.rate, ttft_slo, tbt_slo) for j in jobs]
+    if num_procs <= 1 or len(jobs) == 1:
+        return [run_one(*a) for a in args]
+    with ProcessPoolExecutor(num_procs) as pool:
+        return list(pool.map(run_one, *zip(*args)))
+
+
+def load_items(
+    dataset: str,
+    num_requests: int,
+    seed: int = 0,
+    tokenizer_path: str | None = None,
+    synthetic: SyntheticSpec | None = None,
+) -> list[WorkItem]:
+    """Requests with token counts from our tokenizer; arrivals are drawn per rate later."""
+    from services.gateway.tokenizer import load_tokenizer
+    from shared.modelfile import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(tokenizer_path))
+    return load_workload(dataset, num_requests, 1.0, tokenizer, seed=seed, synthetic=synthetic)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _strs(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-32b")
+    p.add_argument(
+        "--hardware", default="gh200", help="profile name in bench/profiles (gh200, h200-pcie, cpu) or a JSON path"
+    )
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic, or a JSONL trace path")
+    p.add_argument("--num-requests", type=int, default=1000, help="requests per run (default %(default)s)")
+    p.add_argument("--duration-s", type=float, default=None, help="instead of --num-requests: rate × this many")
+    p.add_argument("--rates", type=_floats, default=[4, 8, 12, 16, 20], help="requests/s, comma-separated")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    p.add_argument("--policies", type=_strs, default=["lvf", "fcfs", "sf", "wf"])
+    p.add_argument("--ttft-slo", type=float, default=5.0, help="S_F, seconds")
+    p.add_argument("--tbt-slo", type=float, default=0.1, help="S_B, seconds")
+    p.add_argument("--alpha", type=_floats, default=[3.0], help="comma-separated values sweep")
+    p.add_argument("--beta-f", type=_floats, default=[0.5])
+    p.add_argument("--beta-b", type=_floats, default=[0.0])
+    p.add_argument("--xfer-budget", type=_ints, default=None, help="B_xfer blocks (default: the profile's)")
+    p.add_argument("--transfer-mode", type=_strs, default=["duplex"], help="naive, merged, batched, duplex")
+    p.add_argument("--max-batched-tokens", type=int, default=None, help="default: the profile's")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the profile's")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--hbm-blocks", type=int, default=None, help="override the HBM pool size")
+    p.add_argument("--dram-blocks", type=int, default=None, help="override the DRAM pool size")
+    p.add_argument("--sched-time", default="model", help="model (the profile's), measured (wall time), or milliseconds")
+    p.add_argument(
+        "--pipeline-depth",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="plans in flight (the live scheduler's default is 2)",
+    )
+    p.add_argument("--check-invariants", action="store_true", help="check the core's invariants every step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=1, help="processes (at most the CPU count)")
+    p.add_argument("--tokenizer", default=None, help="GGUF or model directory to count tokens with (default: bundled)")
+    p.add_argument("--input-len", type=int, default=128, help="synthetic: mean prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="synthetic: mean output tokens")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--csv", type=Path, default=None)
+    p.add_argument("--plots", type=Path, default=None, help="write attainment-vs-rate PNGs here")
+
+
+def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) -> list[Job]:
+    d = hw.defaults
+    jobs = []
+    knobs = itertools.product(
+        args.policies,
+        args.transfer_mode,
+        args.xfer_budget or [d.get("xfer_budget", 2400)],
+        args.alpha,
+        args.beta_f,
+        args.beta_b,
+        args.rates,
+    )
+    for policy, mode, budget, alpha, beta_f, beta_b, rate in knobs:
+        cfg = SchedulerConfig(
+            policy=policy,
+            block_size=args.block_size,
+            max_batched_tokens=args.max_batched_tokens or d.get("max_batched_tokens", 512),
+            max_num_seqs=args.max_num_seqs or d.get("max_num_seqs", 64),
+            alpha=alpha,
+            beta_f=beta_f,
+            beta_b=beta_b,
+            ttft_slo=args.ttft_slo,
+            tbt_slo=args.tbt_slo,
+            xfer_budget=budget,
+        )
+        jobs.append(
+            Job(
+                rate,
+                make_setup(
+                    hw,
+                    model,
+                    cfg,
+                    mode,
+                    args.hbm_blocks,
+                    args.dram_blocks,
+                    args.sched_time,
+                    args.check_invariants,
+                    args.pipeline_depth,
+                ),
+            )
+        )
+    return jobs
+
+
+def run(args: argparse.Namespace) -> int:
+    hw, model = load_hardware(args.hardware), MODELS[args.model]
+    check_pair(hw, args.model)
+    num = args.num_requests if args.duration_s is None else math.ceil(max(args.rates) * args.duration_s)
+    items = load_items(args.dataset, num, args.seed, args.tokenizer, SyntheticSpec(args.input_len, args.output_len))
+    jobs = jobs_from_args(args, hw, model)
+    timed = args.dataset not in ("sharegpt", "synthetic") and trace_has_arrivals(Path(args.dataset))
+    t0 = time.perf_counter()
+    rows = []
+    for rate in args.rates:  # with --duration-s, each rate sends rate × duration requests
+        mine = [j for j in jobs if j.rate == rate]
+        n = num if args.duration_s is None else math.ceil(rate * args.duration_s)
+        rows += sweep(items[:n], mine, args.ttft_slo, args.tbt_slo, args.burstiness, args.seed, args.jobs, not timed)
+    print(format_rows(rows))
+    print(f"{len(rows)} runs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    write_outputs(
+        rows,
+        args.json,
+        args.csv,
+        {"args": {k: str(v) for k, v in vars(args).items()}, "setup": describe(jobs[0].setup)},
+    )
+    if args.plots:
+        plot_attainment(rows, args.plots, f"{model.name} on {hw.name}")
+    return 0
+
+
+def trace_has_arrivals(path: Path) -> bool:
+    """Whether a JSONL trace brings its own arrival times (then they are kept)."""
+    with open(path) as f:
+        first = next((line for line in f if line.strip()), "{}")
+    return "arrival_s" in json.loads(first)
+
+
+def describe(setup: SimSetup) -> dict:
+    return {
+        "hardware": setup.hardware.name,
+        "model": setup.model.name,
+        "num_hbm_blocks": setup.num_hbm_blocks,
+        "num_dram_blocks": setup.num_dram_blocks,
+        "scheduler": asdict(setup.cfg),
+    }
+
+
+def format_rows(rows: list[dict]) -> str:
+    pct = lambda v: "  n/a" if v is None else f"{100 * v:5.1f}"  # noqa: E731
+    lines = ["policy  rate  knobs                              TTFT%  TBT%  tok/s   ttft p50 ms  tbt p99 ms  preempt"]
+    for r in rows:
+        knobs = f"{r['transfer_mode']} B={r['xfer_budget']} a={r['alpha']:g} bF={r['beta_f']:g} bB={r['beta_b']:g}"
+        lines.append(
+            f"{r['policy']:<6} {r['rate']:5g}  {knobs:<34} {pct(r['ttft_attainment'])} {pct(r['tbt_attainment'])} "
+            f"{r['throughput_tok_s'] or 0:7.0f} {r['ttft_p50_ms'] or 0:12.0f} {r['tbt_p99_ms'] or 0:11.0f} {r['num_preemptions']:8d}"
+        )
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict], json_path: Path | None, csv_path: Path | None, meta: dict) -> None:
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    if csv_path and rows:
+        csv_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
