@@ -23,28 +23,33 @@ forward; `AttentionMetadata` is everything they need, built once per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
+from services.worker import cpu_kernels
+
 
 @dataclass
 class DecodeBatch:
-    """The single-token queries of a step, attended in one padded SDPA call.
+    """The single-token queries of a step.
 
-    Their contexts are gathered by whole blocks (one contiguous copy per block); the slots
-    past each request's context (the tail of its last block, and whole padding blocks)
-    are zeroed after the gather, since the pool may hold anything there.
+    On the CPU (float32) a native kernel reads each context where it lies in the pool
+    (cpu_kernels.py). Elsewhere they are attended in one padded SDPA call: their contexts are
+    gathered by whole blocks (one contiguous copy per block); the slots past each request's
+    context (the tail of its last block, and whole padding blocks) are zeroed after the
+    gather, since the pool may hold anything there.
     """
 
     block_ids: torch.Tensor  # [R, max_blocks] long; padding repeats the row's first block
+    context_lens: torch.Tensor  # [R] long: keys per row, the new one included
     pad_rows: torch.Tensor  # [P] long: (row, key) of every gathered slot past its context
     pad_keys: torch.Tensor  # [P] long
     mask: torch.Tensor  # [R, 1, 1, max_blocks * block_size] bool: True = attend
 
     def to(self, device) -> DecodeBatch:
-        return DecodeBatch(*(_move(t, device) for t in (self.block_ids, self.pad_rows, self.pad_keys, self.mask)))
+        return DecodeBatch(*(_move(getattr(self, f.name), device) for f in fields(self)))
 
 
 @dataclass
@@ -157,7 +162,7 @@ def _decode_batch(num_cached: list[int], block_tables: list[list[int]], block_si
     keys = torch.arange(max_blocks * block_size)[None, :]  # [1, S]
     valid = keys < ctx[:, None]  # [R, S]
     pad_rows, pad_keys = (~valid).nonzero(as_tuple=True)
-    return DecodeBatch(torch.tensor(rows, dtype=torch.long), pad_rows, pad_keys, valid[:, None, None, :])
+    return DecodeBatch(torch.tensor(rows, dtype=torch.long), ctx, pad_rows, pad_keys, valid[:, None, None, :])
 
 
 def _prefill_segment(
@@ -203,6 +208,14 @@ def paged_attention(
 
 
 def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    """All single-token queries: the native CPU kernel where it applies, else `_decode_sdpa`."""
+    kernel = cpu_kernels.paged_attention() if q.device.type == "cpu" else None
+    if kernel is not None and kernel.supports(q, kv_layer):
+        return kernel.decode(q, kv_layer, batch.block_ids, batch.context_lens)
+    return _decode_sdpa(q, kv_layer, batch)
+
+
+def _decode_sdpa(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     """All single-token queries in one padded SDPA call.
 
     The query heads of one KV group ride in SDPA's query-length slot, so grouped-query

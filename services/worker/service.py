@@ -25,7 +25,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from services.worker import tp
+from services.worker import cpu_kernels, tp
 from services.worker.kv_pool import KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
 from services.worker.runner import ModelRunner, load_model
 from services.worker.tp import TPGroup
@@ -218,6 +218,8 @@ def build_worker(
         num_hbm, num_dram = group.min_int(num_hbm), group.min_int(num_dram)
     pools = KVPools(spec, num_hbm, num_dram, device, prefault=args.kv_prefault)
     engine = TransferEngine(pools, args.transfer_mode)
+    if device.type == "cpu":
+        cpu_kernels.paged_attention()  # built (or loaded) now, not during the first step
     runner = ModelRunner(model, cfg, pools.hbm, args.block_size, device, group)
     ready = p.WorkerReady(
         model_name=cfg.name,
