@@ -26,10 +26,8 @@ import msgspec
 
 from shared import protocol as p
 from shared import zmqsec
+from shared.config import ADMIN_ADDR_ENV, ADMIN_TOKEN_ENV, DEFAULT_ADMIN_ADDR
 
-DEFAULT_ADMIN_ADDR = "tcp://127.0.0.1:5559"
-ADDR_ENV = "SUPERINFER_ADMIN"
-TOKEN_ENV = "SUPERINFER_ADMIN_TOKEN"
 COMMANDS = ("queues", "top", "stats", "abort", "drain")
 STATES = ("waiting", "running", "rotary")
 # --sort key -> (row value, largest first)
@@ -263,8 +261,8 @@ def add_commands(sub) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--admin",
-        default=os.environ.get(ADDR_ENV, DEFAULT_ADMIN_ADDR),
-        help=f"the scheduler's admin address (default ${ADDR_ENV} or {DEFAULT_ADMIN_ADDR})",
+        default=os.environ.get(ADMIN_ADDR_ENV, DEFAULT_ADMIN_ADDR),
+        help=f"the scheduler's admin address (default ${ADMIN_ADDR_ENV} or {DEFAULT_ADMIN_ADDR})",
     )
     common.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
     zmqsec.add_keys_arg(common)
@@ -272,7 +270,7 @@ def add_commands(sub) -> None:
     view.add_argument("--state", action="append", choices=STATES, help="only requests in this state (repeatable)")
     view.add_argument("--sort", choices=list(SORT_KEYS), default="vlt", help="order of rows (default %(default)s)")
     token = argparse.ArgumentParser(add_help=False)
-    token.add_argument("--admin-token", default=os.environ.get(TOKEN_ENV), help=f"default ${TOKEN_ENV}")
+    token.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV), help=f"default ${ADMIN_TOKEN_ENV}")
 
     q = sub.add_parser("queues", parents=[common, view], help="one row per live request: state, VLT, SLO slack, blocks")
     q.add_argument("--json", action="store_true", help="a JSON array of rows")

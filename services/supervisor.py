@@ -27,6 +27,7 @@ import urllib.request
 import uuid
 from collections import deque
 
+from services import flags
 from shared import config
 from shared.log import setup_logging
 
@@ -100,8 +101,6 @@ def child_argv(args: argparse.Namespace, add_group) -> list[str]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from services import cli
-
     log = setup_logging("supervisor", args.log_level)
     run_dir = tempfile.mkdtemp(prefix="superinfer-")
     sched_addr, worker_addr = config.ipc_addresses(run_dir)
@@ -112,13 +111,13 @@ def serve(args: argparse.Namespace) -> int:
     commands = {
         "scheduler": base
         + ["scheduler", "--bind", sched_addr, "--worker-bind", worker_addr]
-        + child_argv(args, cli._scheduler_args)
-        + child_argv(args, cli._admin_args),
-        "worker": base + ["worker", "--connect", worker_addr] + model + child_argv(args, cli._worker_args),
+        + child_argv(args, flags.scheduler_args)
+        + child_argv(args, flags.admin_args),
+        "worker": base + ["worker", "--connect", worker_addr] + model + child_argv(args, flags.worker_args),
         "gateway": base
         + ["gateway", "--scheduler", sched_addr]
         + model
-        + child_argv(args, cli._gateway_args),
+        + child_argv(args, flags.gateway_args),
     }
     stopping = False
 
@@ -130,7 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
 
     # The admin token travels in the environment, not on a command line others can read.
-    envs = {"scheduler": dict(os.environ, **{cli.admin_cli.TOKEN_ENV: args.admin_token})} if args.admin_token else {}
+    envs = {"scheduler": dict(os.environ, **{config.ADMIN_TOKEN_ENV: args.admin_token})} if args.admin_token else {}
     watch = HungWatch()
 
     def spawn(name: str) -> subprocess.Popen:

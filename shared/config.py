@@ -12,18 +12,37 @@ DEFAULT_PORT = 8000
 # tcp defaults for services started one by one (`superinfer gateway|scheduler|worker`).
 DEFAULT_SCHEDULER_ADDR = "tcp://127.0.0.1:5557"  # gateways connect here
 DEFAULT_WORKER_ADDR = "tcp://127.0.0.1:5558"  # scheduler binds, worker connects
+# How long a gateway holds a request whose scheduler was lost, waiting for another one.
+DEFAULT_FAILOVER_GRACE_S = 30.0
 
-DEFAULT_BLOCK_SIZE = 16
-DEFAULT_MAX_BATCHED_TOKENS = 512  # chunked-prefill token budget per step
-DEFAULT_MAX_NUM_SEQS = 64  # requests per step at most
+# The scheduler's admin socket (`superinfer queues|top|stats|abort|drain`): its address, and
+# the environment variables the operator commands and the scheduler read.
+DEFAULT_ADMIN_ADDR = "tcp://127.0.0.1:5559"
+ADMIN_ADDR_ENV = "SUPERINFER_ADMIN"
+ADMIN_TOKEN_ENV = "SUPERINFER_ADMIN_TOKEN"
 
 # ZeroMQ high-water marks (messages) and linger (ms) on close.
 ZMQ_HWM = 10_000
 ZMQ_LINGER_MS = 500
 
 
+# ---------------------------------------------------------------- KV geometry
+# The scheduler's other knobs live in services/scheduler/core/config.py (SchedulerConfig).
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block (the worker's --block-size)
+
+
+def kv_segment_bytes(num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int) -> int:
+    """One layer's K (or V) of one block: the unit a layer-first layout (vLLM's) copies."""
+    return block_size * num_kv_heads * head_dim * dtype_bytes
+
+
+def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int) -> int:
+    """One KV block: K and V of `block_size` tokens in every layer, one region in the pools'
+    block-first layout (services/worker/kv_pool.py)."""
+    return num_layers * 2 * kv_segment_bytes(num_kv_heads, head_dim, block_size, dtype_bytes)
+
+
 def ipc_addresses(run_dir: str) -> tuple[str, str]:
     """(scheduler address for gateways, worker address) inside a runtime directory."""
     return f"ipc://{run_dir}/scheduler.sock", f"ipc://{run_dir}/worker.sock"
-# How long a gateway holds a request whose scheduler was lost, waiting for another one.
-DEFAULT_FAILOVER_GRACE_S = 30.0

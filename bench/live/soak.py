@@ -301,7 +301,7 @@ def server_flags(args, admin: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.admin_cli import DEFAULT_ADMIN_ADDR
+    from shared.config import DEFAULT_ADMIN_ADDR
 
     pool = sample_pool(args)
     largest = max(i.prompt_tokens + i.output_tokens for i in pool)

@@ -30,10 +30,9 @@ import torch
 from services.worker.model import LlamaModel
 from services.worker.runner import ModelRunner, allocate_kv_pool
 from services.worker.weights import load_weights
+from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 from shared.modelfile import ModelConfig, read_model_config, resolve_model_path
 from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
-
-BLOCK_SIZE = 16
 
 
 def transformers_model(cfg: ModelConfig, weights: dict[str, torch.Tensor]):

@@ -8,6 +8,7 @@ from pathlib import Path
 from bench.report.discussion import leads
 from bench.report.rows import BASELINES, PAPER_STEP, PAPER_TABLE1, at, operating_points, pct, tbt_behind
 from bench.sim.costmodel import GB
+from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 
 
 def attainment_table(rows: list[dict], label) -> list[str]:
@@ -70,7 +71,7 @@ def render(ctx, res: dict, seconds: float) -> str:
     hi = max(a.rates)
     r16 = res["fig16"]
     setup = ctx.setup("lvf")
-    block_mib = m.kv_block_bytes(16, hw.dtype_bytes) / (1 << 20)
+    block_mib = m.kv_block_bytes(BLOCK_SIZE, hw.dtype_bytes) / (1 << 20)
     L = [
         "# SuperInfer's experiments, reproduced in the simulator",
         "",
@@ -85,11 +86,11 @@ def render(ctx, res: dict, seconds: float) -> str:
         "",
         "## Setting",
         "",
-        f"- **Model** {m.name} ({m.num_params / 1e9:.1f} B parameters, bf16; KV block of 16 tokens = {block_mib:g} MiB).",
+        f"- **Model** {m.name} ({m.num_params / 1e9:.1f} B parameters, bf16; KV block of {BLOCK_SIZE} tokens = {block_mib:g} MiB).",
         f"- **Hardware** `gh200`: {hw.flops / 1e12:g} TFLOP/s bf16 dense at {hw.compute_efficiency:g} efficiency, "
         f"{hw.hbm_bw / 1e12:g} TB/s HBM3 at {hw.hbm_efficiency:g}, {hw.step_overhead_s * 1e3:g} ms fixed per step; "
         f"{hw.hbm_bytes / GB:g} GB HBM at {hw.mem_utilization:g} utilization minus the weights = "
-        f"**{setup.num_hbm_blocks} HBM blocks** ({setup.num_hbm_blocks * 16 / 1000:.1f} k tokens); "
+        f"**{setup.num_hbm_blocks} HBM blocks** ({setup.num_hbm_blocks * setup.cfg.block_size / 1000:.1f} k tokens); "
         f"{hw.dram_fraction:g} × {hw.host_bytes / GB:g} GB Grace DRAM = {setup.num_dram_blocks} DRAM blocks. "
         f"Link: {hw.link.curve[-1][1]:g} GB/s per direction at >= 8 MB segments, {hw.link.rate(65536) / GB:.1f} GB/s at 64 KB, "
         f"{hw.link.dram_gbs:g} GB/s DRAM both ways (x{hw.link.duplex_efficiency:g} reached).",

@@ -34,14 +34,14 @@ import numpy as np
 import torch
 
 from bench.sim.costmodel import GB, MODELS, PROFILE_DIR, StepWork
+from services.scheduler.core import SchedulerConfig
 from services.worker.kv_pool import DEFAULT_CPU_MEMORY_FRACTION, KVPools, KVSpec, available_ram_bytes
 from services.worker.runner import ModelRunner, allocate_kv_pool, load_model
 from services.worker.transfer import MODES, TransferEngine
-from shared import config
+from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 from shared.modelfile import resolve_model_path
 from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
 
-BLOCK_SIZE = 16
 PREFILL_LENS = (32, 128, 320, 512)
 DECODE_SHAPES = ((1, 64), (8, 64), (8, 480), (32, 64), (32, 240), (64, 112))  # (batch, context)
 NUM_DECODE_STEPS = 6
@@ -279,9 +279,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "link": link,
         "defaults": {
-            "max_batched_tokens": config.DEFAULT_MAX_BATCHED_TOKENS,
-            "max_num_seqs": config.DEFAULT_MAX_NUM_SEQS,
-            "xfer_budget": 2400,
+            k: getattr(SchedulerConfig, k) for k in ("max_batched_tokens", "max_num_seqs", "xfer_budget")
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

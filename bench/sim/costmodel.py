@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared import config
+
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
 MODES = ("naive", "merged", "batched", "duplex")
 GB = 1e9
@@ -88,14 +90,14 @@ class ModelShape:
 
     def kv_token_bytes(self, dtype_bytes: int) -> int:
         """K and V of one token, all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return self.kv_block_bytes(1, dtype_bytes)
 
     def kv_segment_bytes(self, block_size: int, dtype_bytes: int) -> int:
         """One layer's K (or V) of one block: what a layer-first layout copies at a time."""
-        return block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+        return config.kv_segment_bytes(self.num_kv_heads, self.head_dim, block_size, dtype_bytes)
 
     def kv_block_bytes(self, block_size: int, dtype_bytes: int) -> int:
-        return block_size * self.kv_token_bytes(dtype_bytes)
+        return config.kv_block_bytes(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype_bytes)
 
     def weights_read(self, num_tokens: int) -> int:
         """Parameters read by a step of `num_tokens` tokens: everything but the experts no

@@ -26,6 +26,7 @@ from bench.report.rows import PAPER_STEP, at, pct
 from bench.sim import engine, sweep
 from bench.sim.costmodel import GB, MODELS, MODES, ideal_time, load_hardware, transfer_time
 from services.scheduler.core import POLICIES, SchedulerConfig
+from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 
 HERE = Path(__file__).resolve().parents[1]  # bench/
 RATES = (4, 8, 12, 16, 20)
@@ -136,12 +137,12 @@ def knob_sweeps(ctx: Ctx, rate: float) -> dict[str, list[dict]]:
 
 def table1(ctx: Ctx) -> list[dict]:
     """8 GB each way (16 GB moved) on gh200 with Qwen2.5-32B's 4 MiB blocks."""
-    block = ctx.model.kv_block_bytes(16, ctx.hw.dtype_bytes)
+    block = ctx.model.kv_block_bytes(BLOCK_SIZE, ctx.hw.dtype_bytes)
     n = int(8e9 // block)
     nbytes = n * block
     rows = []
     for mode in MODES:
-        x = transfer_time(ctx.hw, ctx.model, mode, n, n, 16)
+        x = transfer_time(ctx.hw, ctx.model, mode, n, n, BLOCK_SIZE)
         rows.append({"mode": mode, "ms": x.total_s * 1e3, "gbs_total": 2 * nbytes / x.total_s / GB})
     rows.append({"mode": "ideal", "ms": ideal_time(ctx.hw, nbytes, nbytes) * 1e3, "gbs_total": ctx.hw.link.dram_gbs})
     return rows

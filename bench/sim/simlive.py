@@ -59,7 +59,8 @@ from bench.report.metrics import summarize
 from bench.sim import calibrate, engine
 from bench.sim.costmodel import MODELS, PROFILE_DIR, hardware_from_dict
 from bench.sim.replay import LiveRun, Pools, Served, live_profile, serve_trace, served_ratio, step_gap_s
-from services.scheduler.core import SchedulerConfig
+from services.cli import build_parser
+from services.scheduler.core import POLICIES, SchedulerConfig
 
 HERE = Path(__file__).resolve().parents[1]  # bench/
 HISTORY = HERE / "results" / "simlive_runs.jsonl"
@@ -78,14 +79,14 @@ class Setting:
     seed: int = 0
     calib_seed: int = 1000
     max_output_tokens: int = 192
-    policy: str = "lvf"
-    ttft_slo: float = 5.0
-    tbt_slo: float = 0.1
+    policy: str = SchedulerConfig.policy
+    ttft_slo: float = SchedulerConfig.ttft_slo
+    tbt_slo: float = SchedulerConfig.tbt_slo
     hbm_blocks: int = 128
     dram_gb: float = 2.0
-    max_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    xfer_budget: int = 2400
+    max_batched_tokens: int = SchedulerConfig.max_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    xfer_budget: int = SchedulerConfig.xfer_budget
     transfer_mode: str = "duplex"
 
     def server_argv(self, step_trace: Path) -> list[str]:
@@ -98,14 +99,8 @@ class Setting:
         ]
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            policy=self.policy,
-            max_batched_tokens=self.max_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            ttft_slo=self.ttft_slo,
-            tbt_slo=self.tbt_slo,
-            xfer_budget=self.xfer_budget,
-        )
+        """What the server's scheduler runs: its command line, parsed as the server parses it."""
+        return SchedulerConfig.from_flags(build_parser().parse_args(["serve", *self.server_argv(Path(STEP_TRACE))]))
 
 
 def trace(setting: Setting, seed: int, tokenizer, num_requests: int | None = None) -> list[WorkItem]:
@@ -310,7 +305,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="the evaluated trace (default %(default)s)")
     p.add_argument("--calib-seed", type=int, default=d.calib_seed, help="the calibration trace (default %(default)s)")
     p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens, help="cap (default %(default)s)")
-    p.add_argument("--policy", choices=["lvf", "fcfs", "sf", "wf"], default=d.policy)
+    p.add_argument("--policy", choices=POLICIES, default=d.policy)
     p.add_argument("--ttft-slo", type=float, default=d.ttft_slo, help="S_F, seconds (default %(default)s)")
     p.add_argument("--tbt-slo", type=float, default=d.tbt_slo, help="S_B, seconds (default %(default)s)")
     p.add_argument("--hbm-blocks", type=int, default=d.hbm_blocks, help="KV pool, blocks (default %(default)s)")

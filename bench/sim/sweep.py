@@ -25,7 +25,7 @@ from bench.report.metrics import summarize
 from bench.report.plots import KNOBS, plot_attainment
 from bench.sim.costmodel import MODELS, Hardware, ModelShape, check_pair, load_hardware
 from bench.sim.engine import SimRun, SimSetup, make_setup, simulate
-from services.scheduler.core import SchedulerConfig
+from services.scheduler.core import POLICIES, SchedulerConfig
 
 # Row keys that depend on this machine's wall clock, not on the simulation.
 WALL_KEYS = ("wall_s", "sched_wall_ms_p50", "sched_wall_ms_p99")
@@ -147,6 +147,7 @@ def _strs(s: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = SchedulerConfig()  # the scheduler's defaults are the simulator's
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-32b")
     p.add_argument(
         "--hardware", default="gh200", help="profile name in bench/profiles (gh200, h200-pcie, cpu) or a JSON path"
@@ -156,17 +157,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, default=None, help="instead of --num-requests: rate × this many")
     p.add_argument("--rates", type=_floats, default=[4, 8, 12, 16, 20], help="requests/s, comma-separated")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
-    p.add_argument("--policies", type=_strs, default=["lvf", "fcfs", "sf", "wf"])
-    p.add_argument("--ttft-slo", type=float, default=5.0, help="S_F, seconds")
-    p.add_argument("--tbt-slo", type=float, default=0.1, help="S_B, seconds")
-    p.add_argument("--alpha", type=_floats, default=[3.0], help="comma-separated values sweep")
-    p.add_argument("--beta-f", type=_floats, default=[0.5])
-    p.add_argument("--beta-b", type=_floats, default=[0.0])
+    p.add_argument("--policies", type=_strs, default=list(POLICIES))
+    p.add_argument("--ttft-slo", type=float, default=d.ttft_slo, help="S_F, seconds")
+    p.add_argument("--tbt-slo", type=float, default=d.tbt_slo, help="S_B, seconds")
+    p.add_argument("--alpha", type=_floats, default=[d.alpha], help="comma-separated values sweep")
+    p.add_argument("--beta-f", type=_floats, default=[d.beta_f])
+    p.add_argument("--beta-b", type=_floats, default=[d.beta_b])
     p.add_argument("--xfer-budget", type=_ints, default=None, help="B_xfer blocks (default: the profile's)")
     p.add_argument("--transfer-mode", type=_strs, default=["duplex"], help="naive, merged, batched, duplex")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="default: the profile's")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the profile's")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--hbm-blocks", type=int, default=None, help="override the HBM pool size")
     p.add_argument("--dram-blocks", type=int, default=None, help="override the DRAM pool size")
     p.add_argument("--sched-time", default="model", help="model (the profile's), measured (wall time), or milliseconds")
@@ -189,12 +190,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) -> list[Job]:
-    d = hw.defaults
+    d, base = hw.defaults, SchedulerConfig()  # the profile's defaults, then the scheduler's
     jobs = []
     knobs = itertools.product(
         args.policies,
         args.transfer_mode,
-        args.xfer_budget or [d.get("xfer_budget", 2400)],
+        args.xfer_budget or [d.get("xfer_budget", base.xfer_budget)],
         args.alpha,
         args.beta_f,
         args.beta_b,
@@ -204,8 +205,8 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
         cfg = SchedulerConfig(
             policy=policy,
             block_size=args.block_size,
-            max_batched_tokens=args.max_batched_tokens or d.get("max_batched_tokens", 512),
-            max_num_seqs=args.max_num_seqs or d.get("max_num_seqs", 64),
+            max_batched_tokens=args.max_batched_tokens or d.get("max_batched_tokens", base.max_batched_tokens),
+            max_num_seqs=args.max_num_seqs or d.get("max_num_seqs", base.max_num_seqs),
             alpha=alpha,
             beta_f=beta_f,
             beta_b=beta_b,

@@ -38,14 +38,9 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from services.gateway.errors import unavailable
+from services.scheduler.core import SchedulerConfig
 from shared import zmqsec
-from shared.config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_FAILOVER_GRACE_S,
-    DEFAULT_MAX_NUM_SEQS,
-    ZMQ_HWM,
-    ZMQ_LINGER_MS,
-)
+from shared.config import DEFAULT_BLOCK_SIZE, DEFAULT_FAILOVER_GRACE_S, ZMQ_HWM, ZMQ_LINGER_MS
 from shared.protocol import (
     AbortRequest,
     AddRequest,
@@ -64,7 +59,7 @@ STALE_AFTER_S = 5.0  # no message for this long: the scheduler is considered gon
 MAX_RECV_PER_TICK = 256
 # Load reports carry neither the scheduler's batch limit nor its block size: the defaults
 # stand in for both when the score weighs running requests and sizes unreported ones.
-BATCH_SLOTS = DEFAULT_MAX_NUM_SEQS
+BATCH_SLOTS = SchedulerConfig.max_num_seqs
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE
 TIE_EPS = 1e-9  # scores closer than this are a tie
 

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from services.admin_cli import TOKEN_ENV
 from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.core.vlt import vlt
@@ -33,6 +32,7 @@ from services.scheduler.metrics import (
     state_of,
 )
 from shared import protocol as p
+from shared.config import ADMIN_TOKEN_ENV
 
 if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
@@ -167,7 +167,7 @@ def _dispatch(msg: p.AdminRequest, svc: SchedulerService, now: float) -> p.Admin
 def authorize(configured: str | None, given: str) -> p.AdminError | None:
     if not configured:
         return p.AdminError(
-            f"commands are disabled: start the scheduler with --admin-token (or {TOKEN_ENV})", "permission_denied"
+            f"commands are disabled: start the scheduler with --admin-token (or {ADMIN_TOKEN_ENV})", "permission_denied"
         )
     if not hmac.compare_digest(given.encode(), configured.encode()):
         return p.AdminError("wrong admin token", "permission_denied")

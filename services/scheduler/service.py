@@ -69,22 +69,6 @@ def _out_of_vocab(req: p.AddRequest, vocab_size: int) -> str | None:
     return None
 
 
-def core_config(args: argparse.Namespace) -> SchedulerConfig:
-    return SchedulerConfig(
-        policy=args.policy,
-        max_batched_tokens=args.max_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        alpha=args.alpha,
-        beta_b=args.beta_b,
-        beta_f=args.beta_f,
-        ttft_slo=args.ttft_slo,
-        tbt_slo=args.tbt_slo,
-        xfer_budget=args.xfer_budget,
-        max_waiting=args.max_waiting,
-        max_waiting_tokens=args.max_waiting_tokens,
-    )
-
-
 class SchedulerService:
     def __init__(
         self,
@@ -481,14 +465,14 @@ def run(args: argparse.Namespace) -> int:
         log.error("refusing to start", reason=reason)
         return 2
     service = SchedulerService(
-        core_config(args),
+        SchedulerConfig.from_flags(args),
         args.bind,
         args.worker_bind,
         log,
         args.pipeline_depth,
         args.step_trace,
         admin_bind=args.admin_bind,
-        admin_token=args.admin_token or os.environ.get(admin.TOKEN_ENV) or None,
+        admin_token=args.admin_token or os.environ.get(config.ADMIN_TOKEN_ENV) or None,
         step_timeout_s=args.step_timeout,
         zmq_keys=args.zmq_keys,
     )

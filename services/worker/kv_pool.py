@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shared.config import DEFAULT_BLOCK_SIZE, kv_block_bytes, kv_segment_bytes
+
 if TYPE_CHECKING:  # the pools need only the model's shape; keep msgspec out of this import
     from shared.modelfile import ModelConfig
 
-DEFAULT_BLOCK_SIZE = 16
 # Largest DRAM pool allocated through torch's pinned allocator; above it, register instead.
 PIN_DIRECT_MAX_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of the device's memory, in use by this process in total
@@ -62,17 +63,13 @@ class KVSpec:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
-    def block_numel(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-
-    @property
     def segment_bytes(self) -> int:
         """Bytes of one layer's K (or V) of one block: the unit vLLM's layout copies."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return kv_segment_bytes(self.num_kv_heads, self.head_dim, self.block_size, self.dtype.itemsize)
 
     @property
     def block_bytes(self) -> int:
-        return self.block_numel * self.dtype.itemsize
+        return kv_block_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype.itemsize)
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, *self.block_shape)

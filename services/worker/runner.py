@@ -46,13 +46,6 @@ def kv_block_shape(cfg: ModelConfig, block_size: int) -> tuple[int, ...]:
     return (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
-    numel = 1
-    for d in kv_block_shape(cfg, block_size):
-        numel *= d
-    return numel * dtype.itemsize
-
-
 def allocate_kv_pool(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:

@@ -55,11 +55,11 @@ def test_hung_watch_forgets_a_pause_that_ended():
 
 
 def test_serve_options_reach_the_worker_as_the_worker_parses_them():
-    from services import cli
+    from services import cli, flags
     from services.supervisor import child_argv
 
     args = cli.build_parser().parse_args(["serve", "--dram-gb", "0.5", "--kv-prefault", "--policy", "fcfs"])
-    argv = child_argv(args, cli._worker_args)
+    argv = child_argv(args, flags.worker_args)
     assert argv == ["--dram-gb", "0.5", "--kv-prefault"]
     worker = cli.build_parser().parse_args(["worker", *argv])
     assert worker.kv_prefault and worker.dram_gb == 0.5

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.runner import ModelRunner, allocate_kv_pool, kv_block_bytes, kv_block_shape
+from services.worker.kv_pool import KVSpec
+from services.worker.runner import ModelRunner, allocate_kv_pool, kv_block_shape
 from shared.protocol import ScheduledRequest
 from tests.worker.conftest import BLOCK_SIZE, blocks_for, generate_together, greedy
 
@@ -121,8 +122,8 @@ def test_bad_schedules_are_refused(make_runner):
 
 def test_kv_block_sizing(cfg, model):
     assert kv_block_shape(cfg, 16) == (30, 2, 16, 3, 64)
-    assert kv_block_bytes(cfg, 16) == 30 * 2 * 16 * 3 * 64 * 4
-    assert kv_block_bytes(cfg, 16, torch.bfloat16) == 30 * 2 * 16 * 3 * 64 * 2
+    assert KVSpec.from_model(cfg, 16, torch.float32).block_bytes == 30 * 2 * 16 * 3 * 64 * 4
+    assert KVSpec.from_model(cfg, 16, torch.bfloat16).block_bytes == 30 * 2 * 16 * 3 * 64 * 2
     wrong = allocate_kv_pool(cfg, 4, 8, torch.float32, "cpu")
     with pytest.raises(ValueError, match="kv_pool blocks"):
         ModelRunner(model, cfg, wrong, BLOCK_SIZE, "cpu")

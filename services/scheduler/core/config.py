@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
+
+from shared.config import DEFAULT_BLOCK_SIZE
 
 POLICIES = ("lvf", "fcfs", "sf", "wf")
+
+
+def _flag(default, help: str, **argparse_kw):
+    """A knob that is also a command-line flag, `--field-name`: its help (`%(default)s` shows
+    this default) and any other argparse keyword (`choices`). The CLI generates the flags
+    from these fields (services/flags.py), so a default is written here and nowhere else."""
+    return field(default=default, metadata={"help": help, **argparse_kw})
 
 
 @dataclass
@@ -15,19 +24,41 @@ class SchedulerConfig:
     eager mirrors together: it ties the policy to the link bandwidth.
     """
 
-    policy: str = "lvf"  # lvf | fcfs | sf | wf
-    block_size: int = 16
-    max_batched_tokens: int = 512  # chunked-prefill token budget per step (decodes first)
-    max_num_seqs: int = 64  # requests per step
-    alpha: float = 3.0
-    beta_b: float = 0.0
-    beta_f: float = 0.5
-    ttft_slo: float = 5.0
-    tbt_slo: float = 0.1
-    xfer_budget: int = 2400  # B_xfer: blocks moved per step at most
+    policy: str = _flag(
+        "lvf",
+        "lvf: Largest-VLT-First rotation (SuperInfer); fcfs: FCFS with recompute preemption; "
+        "sf: swapped-first with swap preemption; wf: waiting-first with swap preemption",
+        choices=POLICIES,
+    )
+    ttft_slo: float = _flag(5.0, "TTFT SLO S_F in seconds (default %(default)s)")
+    tbt_slo: float = _flag(0.1, "TBT SLO S_B in seconds (default %(default)s)")
+    alpha: float = _flag(3.0, "VLT weight of rotary requests (default %(default)s)")
+    beta_f: float = _flag(0.5, "TTFT slack share before VLT grows (default %(default)s)")
+    beta_b: float = _flag(0.0, "TBT slack share before VLT grows (default %(default)s)")
+    xfer_budget: int = _flag(2400, "B_xfer: KV blocks that may be rotated per step (default %(default)s)")
+    max_batched_tokens: int = _flag(512, "chunked-prefill token budget per step, decodes first (default %(default)s)")
+    max_num_seqs: int = _flag(64, "requests per step at most (default %(default)s)")
+    max_waiting: int = _flag(  # WAITING requests (no KV yet)
+        0, "requests waiting for their first schedule at most; beyond it new ones get 429 (0 = unbounded)"
+    )
+    max_waiting_tokens: int = _flag(  # their known tokens (prompt + generated)
+        0,
+        "known tokens (prompt + generated) of the waiting requests at most; a new request that would "
+        "pass it gets 429, unless none is waiting (0 = unbounded)",
+    )
+    block_size: int = DEFAULT_BLOCK_SIZE  # the worker's: the service takes it from WorkerReady
     eager_rotation: bool = True
-    max_waiting: int = 0  # WAITING requests (no KV yet) at most; 0 = unbounded
-    max_waiting_tokens: int = 0  # their known tokens (prompt + generated) at most; 0 = unbounded
+
+    @classmethod
+    def flag_fields(cls) -> list[Field]:
+        """The knobs the command line sets, in the order of their flags."""
+        return [f for f in fields(cls) if "help" in f.metadata]
+
+    @classmethod
+    def from_flags(cls, args) -> SchedulerConfig:
+        """The config that parsed flags ask for (`args.<field>` of every flag field); the
+        service and the simulator's replay of a live server both build theirs here."""
+        return cls(**{f.name: getattr(args, f.name) for f in cls.flag_fields()})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -1,0 +1,125 @@
+"""The options of each service, shared by `superinfer` (cli.py) and `superinfer serve`'s
+supervisor, which re-renders them for its children. The scheduler's knobs are generated from
+`SchedulerConfig`'s fields: their defaults and help are written there, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from services.scheduler.core import SchedulerConfig
+from shared import config
+
+
+def config_flags(g) -> None:
+    """`--field-name` for every flag field of SchedulerConfig, typed and defaulted by the field."""
+    for f in SchedulerConfig.flag_fields():
+        g.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, **f.metadata)
+
+
+def model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face-style directory (config.json + safetensors); "
+        "default: the bundled SmolLM2-135M-Instruct",
+    )
+
+
+def gateway_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gateway (HTTP API)")
+    g.add_argument("--host", default=config.DEFAULT_HOST, help="address to bind (default %(default)s)")
+    g.add_argument("--port", type=int, default=config.DEFAULT_PORT, help="HTTP port (default %(default)s)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument(
+        "--failover-grace",
+        type=float,
+        default=config.DEFAULT_FAILOVER_GRACE_S,
+        metavar="S",
+        help="how long a request whose scheduler was lost waits for another one before it fails "
+        "(default %(default)s)",
+    )
+
+
+def scheduler_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler (RotaSched)")
+    config_flags(g)
+    g.add_argument(
+        "--pipeline-depth",
+        type=int,
+        choices=[1, 2],
+        default=2,
+        help="plans in flight at the worker: 2 builds step t+1 while t computes (default), 1 waits",
+    )
+    g.add_argument("--step-trace", default=None, metavar="PATH", help="append one JSON line per step to PATH")
+    g.add_argument(
+        "--step-timeout",
+        type=float,
+        default=2.0,
+        help="a step result later than max(this, 10 x median recent step, 2 x slowest recent step) "
+        "means the worker is lost; its requests resume on the next worker (default %(default)s s)",
+    )
+
+
+def admin_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduler admin socket and metrics")
+    g.add_argument(
+        "--admin-bind",
+        default=config.DEFAULT_ADMIN_ADDR,
+        help="the scheduler's admin socket for `superinfer queues|top|stats|abort|drain`; "
+        "'off' disables it (default %(default)s)",
+    )
+    g.add_argument(
+        "--metrics-port", type=int, default=None, help="serve the scheduler's Prometheus /metrics on this port"
+    )
+    g.add_argument("--metrics-host", default=config.DEFAULT_HOST, help="its address (default %(default)s)")
+
+
+def admin_token_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"token that abort/drain must present (or ${config.ADMIN_TOKEN_ENV}); without one they are refused",
+    )
+
+
+def worker_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("worker (model + DuplexKV)")
+    g.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
+    g.add_argument(
+        "--hbm-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the compute-device pool (default: from --hbm-fraction)",
+    )
+    g.add_argument(
+        "--hbm-fraction",
+        type=float,
+        default=None,
+        help="share of memory for the KV pool when --hbm-blocks is not given "
+        "(default 0.9 of device memory on GPU, 0.25 of available RAM on CPU)",
+    )
+    g.add_argument("--dram-gb", type=float, default=2.0, help="host-memory KV pool size in GiB (default %(default)s)")
+    g.add_argument(
+        "--kv-prefault",
+        action="store_true",
+        help="write the KV pools once at start so host memory is resident from the first request "
+        "(seconds per GiB on a CPU; device and pinned memory always are)",
+    )
+    g.add_argument(
+        "--block-size", type=int, default=config.DEFAULT_BLOCK_SIZE, help="tokens per KV block (default %(default)s)"
+    )
+    g.add_argument(
+        "--transfer-mode",
+        choices=["naive", "merged", "batched", "duplex"],
+        default="duplex",
+        help="KV transfer engine mode: naive (per-layer copies, serial), merged (per block), "
+        "batched (one call per direction), duplex (both directions at once; default)",
+    )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (torch.distributed: gloo on CPU, NCCL with one GPU per rank); "
+        "must divide the model's KV heads (default %(default)s)",
+    )
