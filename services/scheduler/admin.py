@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 import itertools
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import msgspec
 
@@ -33,9 +33,6 @@ from services.scheduler.metrics import (
 )
 from shared import protocol as p
 from shared.config import ADMIN_TOKEN_ENV
-
-if TYPE_CHECKING:
-    from services.scheduler.service import SchedulerService
 
 
 class Observer:
@@ -127,7 +124,23 @@ class Observer:
 # ---------------------------------------------------------------- the admin socket
 
 
-def handle(payload: bytes, svc: SchedulerService, now: float) -> p.AdminReply:
+class Served(Protocol):
+    """What the admin socket needs of the scheduler service (service.py), which imports this
+    module: what it serves, and the two things an operator may change."""
+
+    log: Any  # a structlog logger
+    admin_token: str | None
+    cfg: SchedulerConfig
+    core: SchedulerCore | None
+    observer: Observer
+    draining: bool
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def stats(self) -> p.SchedulerStats: ...
+
+
+def handle(payload: bytes, svc: Served, now: float) -> p.AdminReply:
     try:
         msg = p.admin_request_decoder.decode(payload)
     except msgspec.DecodeError as e:  # ValidationError included
@@ -143,7 +156,7 @@ def handle(payload: bytes, svc: SchedulerService, now: float) -> p.AdminReply:
         return p.AdminError(f"{type(e).__name__}: {e}", "internal_error")
 
 
-def _dispatch(msg: p.AdminRequest, svc: SchedulerService, now: float) -> p.AdminReply:
+def _dispatch(msg: p.AdminRequest, svc: Served, now: float) -> p.AdminReply:
     match msg:
         case p.QueuesQuery():
             rows = request_rows(svc.core, svc.observer.timelines, now) if svc.core else []
@@ -201,7 +214,7 @@ def request_row(req: Request, tl: Timeline | None, cfg: SchedulerConfig, now: fl
     )
 
 
-def stats_reply(svc: SchedulerService, now: float) -> p.StatsReply:
+def stats_reply(svc: Served, now: float) -> p.StatsReply:
     counts = svc.core.stats() if svc.core else {}
     obs = svc.observer
     return p.StatsReply(

@@ -235,6 +235,28 @@ def build_worker(
     return runner, engine, ready
 
 
+def rank_main(rank: int, num_ranks: int, port: int, args: argparse.Namespace) -> None:
+    """A tensor-parallel rank > 0 (tp.py spawns it): build its shard, then execute every plan
+    rank 0 broadcasts, until stopped."""
+    log = setup_logging("worker", args.log_level).bind(tp_rank=rank)
+    tp.set_rank_threads(num_ranks)
+    device = tp.rank_device(resolve_device(args.device), rank)
+    group = tp.init_group(rank, num_ranks, port, device)
+    runner, engine, _ = build_worker(args, device, group)
+    execute = StepExecutor(runner, engine)
+    log.info("tp rank up", num_ranks=num_ranks)
+    try:
+        while (payload := group.recv_plan()) is not None:
+            plan = p.worker_msg_decoder.decode(payload)
+            try:
+                execute(plan, 0.0)
+            except Exception:  # rank 0 fails the same step the same way and reports it
+                log.exception("step failed", step_id=plan.step_id)
+    finally:
+        engine.close()
+        torch.distributed.destroy_process_group()
+
+
 def run(args: argparse.Namespace) -> int:
     log = setup_logging("worker", args.log_level)
     if reason := zmqsec.refusal([args.connect], args.zmq_keys, zmqsec.CLIENT):
@@ -248,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         tp.check_tp(read_model_config(resolve_model_path(args.model)), num_ranks)
         tp.set_rank_threads(num_ranks)
         port = tp.free_port()
-        ranks = tp.spawn_ranks(args, num_ranks, port)
+        ranks = tp.spawn_ranks(rank_main, args, num_ranks, port)
         device = tp.rank_device(device, 0)
         group = tp.init_group(0, num_ranks, port, device)
     try:

@@ -197,8 +197,9 @@ def set_rank_threads(num_ranks: int) -> None:
 # ---------------------------------------------------------------- ranks > 0
 
 
-def spawn_ranks(args: argparse.Namespace, num_ranks: int, port: int) -> list[mp.process.BaseProcess]:
-    """Ranks 1..N-1 as child processes of the worker (rank 0)."""
+def spawn_ranks(rank_main, args: argparse.Namespace, num_ranks: int, port: int) -> list[mp.process.BaseProcess]:
+    """Ranks 1..N-1 as child processes of the worker (rank 0), each running
+    `rank_main(rank, num_ranks, port, args)` (the worker service's)."""
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, num_ranks):
@@ -274,28 +275,3 @@ def _dead_ranks(ranks: list[mp.process.BaseProcess], grace_s: float = 2.0) -> li
     """Ranks that have exited, giving a dying one `grace_s` to be reaped."""
     multiprocessing.connection.wait([proc.sentinel for proc in ranks], timeout=grace_s)
     return [proc.name for proc in ranks if not proc.is_alive()]
-
-
-def rank_main(rank: int, num_ranks: int, port: int, args: argparse.Namespace) -> None:
-    """A rank > 0: build its shard, then execute every plan rank 0 broadcasts, until stopped."""
-    from services.worker.service import StepExecutor, build_worker, resolve_device
-    from shared import protocol as p
-    from shared.log import setup_logging
-
-    log = setup_logging("worker", args.log_level).bind(tp_rank=rank)
-    set_rank_threads(num_ranks)
-    device = rank_device(resolve_device(args.device), rank)
-    group = init_group(rank, num_ranks, port, device)
-    runner, engine, _ = build_worker(args, device, group)
-    execute = StepExecutor(runner, engine)
-    log.info("tp rank up", num_ranks=num_ranks)
-    try:
-        while (payload := group.recv_plan()) is not None:
-            plan = p.worker_msg_decoder.decode(payload)
-            try:
-                execute(plan, 0.0)
-            except Exception:  # rank 0 fails the same step the same way and reports it
-                log.exception("step failed", step_id=plan.step_id)
-    finally:
-        engine.close()
-        dist.destroy_process_group()

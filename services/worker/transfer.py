@@ -34,13 +34,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from services.worker.copies import DONE, IN, OUT, Done, Pairs, copy_blocks, copy_segments
 from services.worker.kv_pool import KVPools
 
 MODES = ("naive", "merged", "batched", "duplex")
 DEFAULT_MODE = "duplex"
-IN, OUT = "in", "out"
-
-Pairs = list[tuple[int, int]]
 
 
 class BlockConflict(AssertionError):
@@ -48,24 +46,6 @@ class BlockConflict(AssertionError):
 
 
 # ---------------------------------------------------------------- completions
-
-
-class Done:
-    """A direction with nothing to do (or already finished)."""
-
-    event = None
-
-    def wait(self) -> None:
-        pass
-
-    def ready(self) -> bool:
-        return True
-
-    def fence(self, stream=None) -> None:
-        pass
-
-
-DONE = Done()
 
 
 class FutureDone(Done):
@@ -165,25 +145,6 @@ def dependencies(in_pairs: Pairs, out_pairs: Pairs, live: Iterable[Transfer]) ->
     if clash:
         raise BlockConflict(f"swap-in into HBM blocks whose copy to DRAM is in flight: {sorted(clash)[:8]}")
     return in_deps, out_deps, bool(out_dram & in_dram)
-
-
-# ---------------------------------------------------------------- copies (any device)
-
-
-def copy_segments(src: torch.Tensor, dst: torch.Tensor, pairs: Pairs, non_blocking: bool = False) -> None:
-    """naive: one copy per (block, layer, K/V) segment of block_size × heads × dim elements,
-    as a layer-first layout must."""
-    num_layers = src.shape[1]
-    for s, d in pairs:
-        for layer in range(num_layers):
-            for kv in (0, 1):
-                dst[d, layer, kv].copy_(src[s, layer, kv], non_blocking=non_blocking)
-
-
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: Pairs, non_blocking: bool = False) -> None:
-    """merged: one copy per whole block (one contiguous region in the block-first layout)."""
-    for s, d in pairs:
-        dst[d].copy_(src[s], non_blocking=non_blocking)
 
 
 # ---------------------------------------------------------------- CPU batched copy

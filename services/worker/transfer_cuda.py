@@ -16,8 +16,8 @@ import warnings
 
 import torch
 
+from services.worker.copies import DONE, IN, OUT, Done, Pairs, copy_blocks, copy_segments
 from services.worker.kv_pool import KVPools
-from services.worker.transfer import DONE, IN, OUT, Done, Pairs, copy_blocks, copy_segments
 
 COPY_IMPLS = ("auto", "memcpy_batch", "per_block", "cupy")
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
