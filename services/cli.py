@@ -17,7 +17,9 @@ import sys
 from services import admin_cli, flags
 from shared import config, zmqsec
 
-# name -> module with add_arguments(parser) and run(args) -> int
+# `superinfer bench NAME` -> module with add_arguments(parser) and run(args) -> int. The one
+# door from the CLI up to bench/, opened by name only when a benchmark runs, so that no other
+# command imports torch for it (tests/test_layers.py holds both).
 BENCHMARKS = {
     "model": ("bench.micro.model", "our worker vs transformers: prefill tok/s, decode step ms"),
     "kv": ("bench.micro.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
