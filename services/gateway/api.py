@@ -1,9 +1,12 @@
 """The OpenAI request and response bodies, as msgspec Structs.
 
-Decoding a body into these types *is* the validation of types and ranges (a mismatch
-becomes a 400 naming the field), and the same types generate the OpenAPI document.
-Fields OpenAI clients send that we do not use are ignored, not refused. Extensions beyond
-OpenAI: `top_k`, `ignore_eos`, and `slo` (per-request latency targets in milliseconds).
+A body is decoded once, by `decode_request`, into one of these types, extensions included;
+that *is* the check of everything the body alone decides: types and ranges (a mismatch
+becomes a 400 naming the field) and n = 1. What needs the tokenizer or the scheduler's
+context window is checked in params.py, the body size in app.py. The same types generate
+the OpenAPI document. Fields OpenAI clients send that we do not use are ignored, not refused.
+Extensions beyond OpenAI: `top_k`, `ignore_eos`, `slo` (per-request latency targets in
+milliseconds) and `superinfer` (what to report beyond OpenAI's response).
 """
 
 from __future__ import annotations
@@ -11,12 +14,11 @@ from __future__ import annotations
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
-from services.gateway.errors import from_validation
+from services.gateway.errors import bad_request, from_validation
 
-# Request limits beyond the types' own (the context window is checked in params.py, the
-# body size in app.py). OpenAI's: at most 4 stop strings.
+# Limits of the types below. OpenAI's: at most 4 stop strings.
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary means "off"; the bound keeps it a machine int
@@ -46,6 +48,29 @@ class SLOSpec(Struct):
     tbt_ms: Milliseconds | None = None
 
 
+class Extensions:
+    """`"superinfer": {"attribution": true}` (extension): report where the request's time went
+    at the scheduler. Read leniently, as the one part of a body that is: a malformed extension
+    is ignored, never refused (msgspec hands it over as plain JSON, see `_extensions`)."""
+
+    __slots__ = ("attribution",)
+    SCHEMA = {
+        "type": "object",
+        "properties": {"attribution": {"type": "boolean", "default": False}},
+        "description": "SuperInfer extensions (a malformed one is ignored)",
+    }
+
+    def __init__(self, attribution: bool = False) -> None:
+        self.attribution = attribution
+
+
+def _extensions(type: type, obj) -> Extensions:
+    """msgspec's hook for the custom type: `obj` is the decoded JSON value, whatever it is."""
+    if type is not Extensions:
+        raise NotImplementedError(type)
+    return Extensions(isinstance(obj, dict) and obj.get("attribution") is True)
+
+
 class ContentPart(Struct):
     type: str
     text: str | None = None
@@ -73,6 +98,11 @@ class _Sampling(Struct, kw_only=True):
     user: str | None = None
     ignore_eos: bool = False
     slo: SLOSpec | None = None
+    superinfer: Extensions | None = None
+
+    @property
+    def wants_attribution(self) -> bool:
+        return self.superinfer is not None and self.superinfer.attribution
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -94,6 +124,12 @@ class Usage(Struct):
     total_tokens: int
 
 
+class Reported(Struct):
+    """What a response reports beyond OpenAI's, when the request asked (`Extensions`)."""
+
+    attribution: dict[str, float]  # protocol.Attribution's fields by name
+
+
 class AssistantMessage(Struct):
     content: str
     role: str = "assistant"
@@ -113,6 +149,7 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
+    superinfer: Reported | UnsetType = UNSET  # left out unless set
 
 
 class Delta(Struct, omit_defaults=True):
@@ -134,6 +171,7 @@ class ChatCompletionChunk(Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    superinfer: Reported | UnsetType = UNSET  # left out unless set
 
 
 class CompletionChoice(Struct):
@@ -152,6 +190,7 @@ class Completion(Struct):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     object: Literal["text_completion"] = "text_completion"
+    superinfer: Reported | UnsetType = UNSET  # left out unless set
 
 
 class ModelCard(Struct):
@@ -169,13 +208,17 @@ class ModelList(Struct):
 
 # ---------------------------------------------------------------- codec
 
-_decoders = {t: msgspec.json.Decoder(t) for t in (ChatCompletionRequest, CompletionRequest)}
+_decoders = {t: msgspec.json.Decoder(t, dec_hook=_extensions) for t in (ChatCompletionRequest, CompletionRequest)}
 encode_json = msgspec.json.Encoder().encode
 
 
 def decode_request(body: bytes, type: type[T]) -> T:
-    """The request body as `type`; raises a 400 `ApiError` naming the bad field."""
+    """The request body as `type`, checked as far as the body alone decides; raises a 400
+    `ApiError` naming the bad field."""
     try:
-        return _decoders[type].decode(body)
+        req = _decoders[type].decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation(e) from None
+    if req.n != 1:
+        raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
+    return req

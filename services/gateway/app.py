@@ -28,7 +28,7 @@ from services.gateway.api import (
 )
 from services.gateway.detokenizer import TextStream
 from services.gateway.errors import ApiError, internal
-from services.gateway.generate import Timing, WithAttribution, generate, wants_attribution
+from services.gateway.generate import Timing, WithAttribution, generate
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.responses import ChatFormat, CompletionFormat, respond_full, respond_stream
@@ -101,7 +101,6 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     timing = Timing()  # arrival: latencies count the gateway's own work too
     body = await read_body(request)
     req = decode_request(body, ep.request_type)
-    params.check_supported(req)
     model = _check_model(req.model, state)
     # Off the event loop: a long prompt takes a while, and every stream's next token waits on the loop.
     prompt_ids = await asyncio.to_thread(ep.prompt_ids, req, state.tokenizer)
@@ -113,7 +112,7 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)
     text = TextStream(state.tokenizer.decode, prep.stop, prompt_ids)
     fmt = ep.format(request_id, model)
-    if wants_attribution(body):
+    if req.wants_attribution:
         fmt = WithAttribution(fmt, timing)
     handle = state.client.submit(add, link)
     log.info(

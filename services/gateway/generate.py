@@ -12,8 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import msgspec
-
+from services.gateway.api import Reported
 from services.gateway.detokenizer import TextStream
 from services.gateway.errors import from_scheduler, internal
 from services.gateway.scheduler_client import RequestHandle, SchedulerClient
@@ -100,29 +99,6 @@ class WithAttribution:
 
     def _add(self, body):
         att = self.timing.attribution
-        if att is None:
-            return body
-        out = msgspec.to_builtins(body)
-        out["superinfer"] = {"attribution": {f: getattr(att, f) for f in att.__struct_fields__}}
-        return out
-
-
-class Extensions(msgspec.Struct):
-    attribution: bool = False
-
-
-class _ExtensionBody(msgspec.Struct):
-    superinfer: Extensions | None = None
-
-
-_extensions = msgspec.json.Decoder(_ExtensionBody)
-
-
-def wants_attribution(body: bytes) -> bool:
-    """`"superinfer": {"attribution": true}` in a request body (already validated as JSON);
-    a malformed extension is ignored rather than refused."""
-    try:
-        ext = _extensions.decode(body).superinfer
-    except msgspec.DecodeError:
-        return False
-    return ext is not None and ext.attribution
+        if att is not None:
+            body.superinfer = Reported(attribution={f: getattr(att, f) for f in att.__struct_fields__})
+        return body

@@ -11,6 +11,7 @@ from services.gateway.api import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    Extensions,
     ModelList,
 )
 from services.gateway.errors import ErrorResponse
@@ -69,10 +70,16 @@ def _get_path(summary: str, schema: dict, media: str = "application/json") -> di
     return {"get": {"summary": summary, "responses": {"200": ok}}}
 
 
+def _schema_hook(type: type) -> dict:
+    if type is Extensions:
+        return Extensions.SCHEMA
+    raise NotImplementedError(type)
+
+
 def openapi_document(model_name: str) -> dict:
     requests = [ChatCompletionRequest, CompletionRequest]
     types = [*requests, ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorResponse]
-    _, components = msgspec.json.schema_components(types, ref_template=_REF)
+    _, components = msgspec.json.schema_components(types, schema_hook=_schema_hook, ref_template=_REF)
     health = {"type": "object", "properties": {"status": {"type": "string"}, "schedulers": {"type": "array"}}}
     return {
         "openapi": "3.1.0",

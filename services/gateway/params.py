@@ -1,12 +1,12 @@
 """From a validated OpenAI body to what the scheduler is sent: prompt token ids, sampling
 parameters, SLO, plus the stop strings the gateway itself enforces.
 
-Everything here is pure and raises `ApiError` (400, naming the `param`) for what types
-alone cannot catch: n > 1, content that is not text, token ids outside the vocabulary, an
-empty prompt, and a prompt plus max_tokens beyond the context window (OpenAI's
-`context_length_exceeded`). The types in api.py bound the rest: max_tokens >= 1, at most
+Everything here is pure and raises `ApiError` (400, naming the `param`) for what the body
+alone cannot decide: content that is not text, token ids outside the vocabulary, an empty
+prompt, and a prompt plus max_tokens beyond the context window (OpenAI's
+`context_length_exceeded`). Decoding (api.py) checked the rest: max_tokens >= 1, at most
 MAX_STOP_STRINGS non-empty stop strings of at most MAX_STOP_CHARS characters, temperature,
-top_p, top_k and seed ranges, and at least one message.
+top_p, top_k and seed ranges, at least one message, and n = 1.
 """
 
 from __future__ import annotations
@@ -39,11 +39,6 @@ class Prepared:
     stop: list[str]
     stream: bool
     include_usage: bool
-
-
-def check_supported(req: Request) -> None:
-    if req.n != 1:
-        raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
