@@ -37,6 +37,7 @@ from bench.live.serve import first_model, replay
 from bench.live.server import REPO, LaunchError, answers_ready, launch
 from bench.live.workload import SyntheticSpec, WorkItem, load_workload, synthetic_items
 from bench.report.metrics import RequestRecord, format_summary, summarize
+from services.scheduler.core import SchedulerConfig
 
 WORKLOADS = ("probe", "sharegpt")
 
@@ -100,8 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=float, default=1.0, help="requests/s (default %(default)s)")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     g.add_argument("--seed", type=int, default=0, help="also seeds the probe's prompts")
-    g.add_argument("--ttft-slo", type=float, default=5.0, help="S_F in seconds (default %(default)s)")
-    g.add_argument("--tbt-slo", type=float, default=0.1, help="S_B in seconds (default %(default)s)")
+    g.add_argument(
+        "--ttft-slo", type=float, default=SchedulerConfig.ttft_slo, help="S_F in seconds (default %(default)s)"
+    )
+    g.add_argument(
+        "--tbt-slo", type=float, default=SchedulerConfig.tbt_slo, help="S_B in seconds (default %(default)s)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ import aiohttp
 
 from bench.live.workload import SyntheticSpec, WorkItem, load_workload
 from bench.report.metrics import RequestRecord, format_summary, plot_cdfs, summarize
+from services.scheduler.core import SchedulerConfig
 
 DONE = object()  # the `data: [DONE]` sentinel
 HUNG_UP = "the client hung up"
@@ -40,8 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=math.inf, help="requests/s; inf sends all at once (default)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ttft-slo", type=float, default=5.0, help="S_F in seconds (default %(default)s)")
-    p.add_argument("--tbt-slo", type=float, default=0.1, help="S_B in seconds (default %(default)s)")
+    p.add_argument(
+        "--ttft-slo", type=float, default=SchedulerConfig.ttft_slo, help="S_F in seconds (default %(default)s)"
+    )
+    p.add_argument(
+        "--tbt-slo", type=float, default=SchedulerConfig.tbt_slo, help="S_B in seconds (default %(default)s)"
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
