@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 from services import cli
@@ -23,14 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("shared", "services", "bench")
 LAYERS = ("shared", "core", "services", "cli", "bench")  # lowest first
 CLI_LAYER = {"services.cli", "services.supervisor", "services.flags", "services.admin_cli"}
-
-# The one known cycle, being removed with the policies' rework: reported (a warning), not
-# failed. The policies call back into `SchedulerCore.admit`/`preempt` and the core imports
-# them; the invariant checks import `SchedulerCore` for its type and the core calls them.
-# Delete the entry once the cycle is gone.
-EXPECTED_CYCLES = [
-    {f"services.scheduler.core.{m}" for m in ("scheduler", "fcfs", "lvf", "invariants")},
-]
 
 
 def project_modules() -> dict[str, Path]:
@@ -125,11 +116,7 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def test_no_import_cycle_between_the_projects_files():
-    found = cycles(import_graph())
-    known = [c for c in found if any(c <= e for e in EXPECTED_CYCLES)]
-    for c in known:
-        warnings.warn(f"known import cycle, to be removed: {sorted(c)}", stacklevel=1)
-    assert [sorted(c) for c in found if c not in known] == []
+    assert [sorted(c) for c in cycles(import_graph())] == []
 
 
 def test_no_import_from_a_lower_layer_into_a_higher_one():

@@ -4,15 +4,24 @@ service. Each failure raises AssertionError naming what broke."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .request import Status, blocks_for
+from .policy import PolicyView
+from .request import Request, Status, blocks_for
+from .step import Step
 
-if TYPE_CHECKING:
-    from .scheduler import SchedulerCore
+
+class CoreState(PolicyView, Protocol):
+    """What the checks read of `SchedulerCore` (scheduler.py, which imports this module):
+    the policies' view, every live request, the last step and the core's running counts."""
+
+    requests: dict[str, Request]
+    last_step: Step | None
+    num_waiting_tokens: int
+    num_demand_blocks: int
 
 
-def check_invariants(core: SchedulerCore) -> None:
+def check_invariants(core: CoreState) -> None:
     _check_ownership(core)
     for req in core.requests.values():
         _check_request(core, req)
@@ -21,7 +30,7 @@ def check_invariants(core: SchedulerCore) -> None:
         _check_step(core)
 
 
-def _check_ownership(core: SchedulerCore) -> None:
+def _check_ownership(core: CoreState) -> None:
     """Every block is owned once (by a request or the free list); free + used = total."""
     m = core.memory
     for pool, attr in ((m.hbm, "hbm_blocks"), (m.dram, "dram_blocks")):
@@ -35,7 +44,7 @@ def _check_ownership(core: SchedulerCore) -> None:
         assert pool.num_free + pool.num_deferred + len(owned) == pool.num_blocks, f"{pool.name}: free + used != total"
 
 
-def _check_request(core: SchedulerCore, req) -> None:
+def _check_request(core: CoreState, req) -> None:
     bs, rid = core.cfg.block_size, req.request_id
     num_kv_blocks = blocks_for(req.num_computed_tokens, bs)
     assert 0 <= req.num_pending, f"{rid}: negative pending samples"
@@ -59,7 +68,7 @@ def _check_request(core: SchedulerCore, req) -> None:
         raise AssertionError(f"{rid}: {req.status} but still live")
 
 
-def _check_sets(core: SchedulerCore) -> None:
+def _check_sets(core: CoreState) -> None:
     num_paused = sum(1 for r in core.requests.values() if r.status is not Status.RUNNING)
     assert len(core.q_waiting) + len(core.q_rotary) == num_paused, "paused requests missing from the queues"
     assert len(core.q_first) + len(core.q_emitted) == num_paused, "paused requests missing from the VLT heaps"
@@ -70,7 +79,7 @@ def _check_sets(core: SchedulerCore) -> None:
     assert waiting == core.num_waiting_tokens, f"waiting tokens {core.num_waiting_tokens} != {waiting}"
 
 
-def _check_step(core: SchedulerCore) -> None:
+def _check_step(core: CoreState) -> None:
     step = core.last_step
     assert step.num_moved <= core.cfg.xfer_budget, f"step {step.step_id} moved {step.num_moved} > B_xfer"
     assert len(step.scheduled) <= core.cfg.max_num_seqs, f"step {step.step_id}: too many requests"
