@@ -210,3 +210,41 @@ def test_everything_finishes_under_pressure_for_every_policy():
         d.run()
         assert len(d.finish) == 10, policy
         assert core.memory.hbm.num_free == 16 and core.memory.dram.num_free == 64, policy
+
+
+def test_admission_reserves_room_for_the_whole_prompt():
+    """A prompt whose first chunk fits but whole does not waits instead of being admitted
+    for one chunk and preempted (recomputed) when it cannot grow into the next."""
+
+    def run(reserve):
+        core = make_core("fcfs", num_hbm=10, block_size=4, max_batched_tokens=16, reserve_full_prompt=reserve)
+        d = Driver(core)
+        add(core, "old", 8, 12)
+        d.step()
+        add(core, "long", 36, 2, now=d.now)  # 9 blocks + 1 to sample; old holds 3-5
+        plan = d.step()
+        admitted = "long" in entries(plan)
+        d.run()
+        assert set(d.finish) == {"old", "long"}
+        return admitted, core.num_preemptions
+
+    assert run(reserve=True) == (False, 0)
+    admitted, num_preemptions = run(reserve=False)
+    assert admitted and num_preemptions >= 1
+
+
+def test_no_preemption_while_every_running_request_fits():
+    """Growth preempts only when the next tokens of the running requests do not fit."""
+    core = make_core("fcfs", num_hbm=12, block_size=4, max_batched_tokens=16)
+    d = Driver(core)
+    for i in range(6):
+        add(core, f"r{i}", 6 + 3 * i, 6)
+    num_checked = 0
+    while core.has_unfinished():
+        free = core.memory.hbm.num_free
+        need = sum(core.memory.blocks_needed(r, r.num_schedulable()) for r in core.running.values())
+        d.step()
+        if need <= free:
+            assert core.last_step.num_preempted == 0
+            num_checked += 1
+    assert num_checked > 10 and len(d.finish) == 6

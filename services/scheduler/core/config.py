@@ -22,6 +22,13 @@ class SchedulerConfig:
 
     `xfer_budget` (B_xfer) caps the KV blocks copied in one step, swap-ins, swap-outs and
     eager mirrors together: it ties the policy to the link bandwidth.
+
+    `reserve_full_prompt`: a paused request is admitted only if HBM has room for all its
+    known tokens (prompt + generated so far), not just for the first chunk this step
+    computes (vLLM V1's `scheduler_reserve_full_isl`, on by default there). Without it a
+    long prompt admitted for one chunk cannot grow into its next chunk and is preempted
+    at once, again and again (README "Scheduling": fcfs preempted 275 times instead of 18
+    for 60 ShareGPT requests at 1 req/s on 65 blocks of 32 tokens).
     """
 
     policy: str = _flag(
@@ -48,6 +55,7 @@ class SchedulerConfig:
     )
     block_size: int = DEFAULT_BLOCK_SIZE  # the worker's: the service takes it from WorkerReady
     eager_rotation: bool = True
+    reserve_full_prompt: bool = True  # admit only with room for every known token (see above)
 
     @classmethod
     def flag_fields(cls) -> list[Field]:

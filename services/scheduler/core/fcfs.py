@@ -83,7 +83,8 @@ def last_unscheduled(step: Step, order: list[Request]) -> Request | None:
 
 def admit_in_order(core: PolicyView, step: Step, candidates: Iterable[Request]) -> None:
     """Admit waiting/rotary requests in `candidates` order until one does not fit
-    (head-of-line: a later request never jumps a blocked earlier one)."""
+    (head-of-line: a later request never jumps a blocked earlier one). With
+    `reserve_full_prompt` fitting means room for all its known tokens, not one chunk."""
     memory = core.memory
     for req in candidates:
         if step.tokens_left == 0 or step.seqs_left == 0:
@@ -93,11 +94,11 @@ def admit_in_order(core: PolicyView, step: Step, candidates: Iterable[Request]) 
         if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
             continue  # not back in the step that evicted it; or its sample is in flight
         num_new = min(req.num_schedulable(), step.tokens_left)
-        need = memory.blocks_needed(req, num_new)
-        step.num_blocks_wanted += need
+        room = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
+        step.num_blocks_wanted += room
         if req.status is Status.ROTARY:
-            if not memory.can_swap_in(req, num_new, step.moves_left):
+            if not memory.can_swap_in(req, room, step.moves_left):
                 return
-        elif not memory.hbm.can_allocate(need):
+        elif not memory.hbm.can_allocate(room):
             return
         core.admit(req, step, num_new)

@@ -65,23 +65,23 @@ def admit_lagging(
         num_new = min(req.num_schedulable(), step.tokens_left - num_decodes)
         if num_new <= 0 or step.seqs_left - num_decodes <= 0:
             return
-        need = memory.blocks_needed(req, num_new)
+        need = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
         step.num_blocks_wanted += need
         if len(req.dram_blocks) > step.moves_left:
             return  # its swap-in does not fit in this step's copy budget
         if v > 0 and not memory.hbm.can_allocate(need):
             num_decodes -= _displace(core, step, req, need, order)
-        if not _fits(core, req, need, num_new, step):
+        if not _fits(core, req, need, step):
             return
         core.admit(req, step, num_new)
 
 
-def _fits(core: PolicyView, req: Request, need: int, num_new: int, step: Step) -> bool:
+def _fits(core: PolicyView, req: Request, need: int, step: Step) -> bool:
     memory = core.memory
     if len(core.running) >= core.cfg.max_num_seqs:
         return False
     if req.status is Status.ROTARY:
-        return memory.can_swap_in(req, num_new, step.moves_left)
+        return memory.can_swap_in(req, need, step.moves_left)
     return memory.hbm.can_allocate(need)
 
 

@@ -29,6 +29,12 @@ class Memory:
         total = blocks_for(req.num_computed_tokens + num_new_tokens, self.block_size)
         return total - len(req.hbm_blocks)
 
+    def blocks_to_admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> int:
+        """HBM blocks a paused request must find free to be admitted computing
+        `num_new_tokens` now: those blocks, or with `reserve_full` those for every
+        token it knows (the rest of its prompt too)."""
+        return self.blocks_needed(req, req.num_schedulable() if reserve_full else num_new_tokens)
+
     def grow(self, req: Request, num_new_tokens: int) -> bool:
         need = self.blocks_needed(req, num_new_tokens)
         if not self.hbm.can_allocate(need):
@@ -98,14 +104,11 @@ class Memory:
 
     # ------------------------------------------------------------ swap-in
 
-    def can_swap_in(self, req: Request, num_new_tokens: int, moves_left: int) -> bool:
-        """Room and copy budget for `req`'s swap-in, its copies landing on clean blocks."""
+    def can_swap_in(self, req: Request, num_blocks: int, moves_left: int) -> bool:
+        """Room (`num_blocks` HBM blocks in all, `blocks_to_admit`) and copy budget for
+        `req`'s swap-in, its copies landing on clean blocks."""
         num_copy = len(req.dram_blocks)
-        return (
-            num_copy <= moves_left
-            and self.hbm.num_clean >= num_copy
-            and self.hbm.can_allocate(self.blocks_needed(req, num_new_tokens))
-        )
+        return num_copy <= moves_left and self.hbm.num_clean >= num_copy and self.hbm.can_allocate(num_blocks)
 
     def swap_in(self, req: Request, step: Step) -> None:
         """Bring a ROTARY request's KV back to HBM. Synced DRAM blocks stay as mirrors when
