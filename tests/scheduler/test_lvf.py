@@ -28,7 +28,7 @@ def test_vlt_definitions_with_per_request_slo():
     core.add_request(AddRequest("o", [1] * 4, SamplingParams(max_tokens=4), slo=SLO(ttft_s=0.5)), 1.0)
     resubmit(core, "e", 1.0, [7], tbt_s=0.2)
     w, o, e = (core.requests[r] for r in "woe")
-    assert vlt(w, 1.5, cfg) == 0.0  # within beta_F * S_F = 1 s
+    assert vlt(w, 1.5, cfg) == -0.5  # within beta_F * S_F = 1 s: negative, no clamp
     assert vlt(w, 2.5, cfg) == 0.5
     assert vlt(o, 2.5, cfg) == 2.5 - 1.0 - 0.25  # per-request TTFT SLO
     assert abs(vlt(e, 2.0, cfg) - 3.0 * (2.0 - 1.0 - 0.2)) < 1e-12  # alpha, beta_B, own S_B
@@ -64,8 +64,9 @@ def test_alpha_and_beta_move_the_order():
     assert candidate_ids(core, 1.0) == candidate_ids(core, 1.0)
 
 
-def test_lagging_waiting_request_displaces_the_longest_running():
-    # 6 HBM blocks of 4 tokens; a and b hold 3 each.
+def test_waiting_request_displaces_the_longest_running_below_it_in_vlt_order():
+    # 6 HBM blocks of 4 tokens; a and b hold 3 each. c's VLT is 0.2 + 0.5 s behind its
+    # arrival: it ranks above a running request once that has run longer than c's slack left.
     core = make_core("lvf", num_hbm=6, num_dram=32, block_size=4)
     d = Driver(core)
     add(core, "a", 9, 15, now=0.0)
@@ -75,11 +76,11 @@ def test_lagging_waiting_request_displaces_the_longest_running():
     add(core, "b", 9, 15, now=0.1)
     d.step()  # a: decode, b: prefill; a's first two blocks are mirrored
     a_blocks = list(core.requests["a"].hbm_blocks)
-    core.add_request(AddRequest("c", [1] * 4, SamplingParams(max_tokens=4), slo=SLO(ttft_s=0.1)), 0.2)
-    d.now = 0.21  # c within its slack (0.05 s): it waits, nobody moves
+    core.add_request(AddRequest("c", [1] * 4, SamplingParams(max_tokens=4), slo=SLO(ttft_s=1.0)), 0.2)
+    d.now = 0.21  # c (VLT -0.49) below a (-0.21) and b (-0.11): it waits, nobody moves
     plan = d.step()
     assert "c" not in entries(plan) and not plan.swap_out
-    d.now = 0.3  # c lags: a (running since t=0) goes, b (since t=0.1) stays
+    d.now = 0.45  # c (-0.25) above a (-0.45) and b (-0.35): a, the longest-running, goes; b stays
     plan = d.step()
     assert core.requests["a"].status is Status.ROTARY
     assert core.requests["b"].status is Status.RUNNING
@@ -93,8 +94,9 @@ def test_lagging_waiting_request_displaces_the_longest_running():
 
 
 def test_admissions_follow_vlt_order_under_pressure():
-    """Every step, the requests LVF admits are a prefix of the paused requests in VLT order."""
-    core = make_core("lvf", num_hbm=12, num_dram=200, block_size=4, tbt_slo=0.05, alpha=3.0)
+    """Every step, the requests LVF admits are a prefix of the paused requests in VLT order
+    (the paper's loop: `rotary_yields` off; test_held_back_decode_lets_arrivals_pass has it on)."""
+    core = make_core("lvf", num_hbm=12, num_dram=200, block_size=4, tbt_slo=0.05, alpha=3.0, rotary_yields=False)
     d = Driver(core, dt=0.02)
     for i in range(8):
         slo = SLO(ttft_s=0.05 * (1 + i % 3), tbt_s=0.02 * (1 + i % 2))
@@ -117,8 +119,12 @@ def test_admissions_follow_vlt_order_under_pressure():
 
 
 def test_rotary_requests_return_in_vlt_order():
-    # HBM holds two of six requests; B_xfer lets about one request rotate per step.
-    core = make_core("lvf", num_hbm=8, num_dram=64, block_size=4, beta_b=1.0, xfer_budget=6, eager_rotation=False)
+    # HBM holds two of six requests; B_xfer lets about one request rotate per step. The
+    # paper's rule: no guard against rotation (test_min_residency_* has them).
+    core = make_core(
+        "lvf", num_hbm=8, num_dram=64, block_size=4, beta_b=1.0, xfer_budget=6, eager_rotation=False,
+        rotary_yields=False, min_residency_s=0.0,
+    )
     d = Driver(core, dt=0.05)
     for i, tbt in enumerate([0.04, 0.01, 0.03, 0.02, 0.005, 0.015]):
         core.add_request(AddRequest(f"r{i}", [3] * 5, SamplingParams(max_tokens=8), slo=SLO(tbt_s=tbt)), 0.0)

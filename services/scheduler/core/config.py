@@ -56,6 +56,15 @@ class SchedulerConfig:
     block_size: int = DEFAULT_BLOCK_SIZE  # the worker's: the service takes it from WorkerReady
     eager_rotation: bool = True
     reserve_full_prompt: bool = True  # admit only with room for every known token (see above)
+    # lvf's guards against a carousel of rotations (lvf.py): a paused request that has emitted
+    # tokens displaces only requests that have run `min_residency_s`, and one it cannot place
+    # does not hold back the requests behind it (`rotary_yields`).
+    min_residency_s: float = _flag(
+        2.0,
+        "lvf: a paused request that has emitted tokens preempts only requests that have run this "
+        "long since put on the GPU, in seconds (default %(default)s)",
+    )
+    rotary_yields: bool = True
 
     @classmethod
     def flag_fields(cls) -> list[Field]:
@@ -76,6 +85,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.alpha <= 0 or self.ttft_slo <= 0 or self.tbt_slo <= 0:
             raise ValueError("alpha and the SLOs must be > 0")
+        if self.min_residency_s < 0:
+            raise ValueError("min_residency_s must be >= 0")
         if self.max_waiting < 0 or self.max_waiting_tokens < 0:
             raise ValueError("max_waiting and max_waiting_tokens must be >= 0")
 

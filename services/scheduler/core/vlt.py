@@ -1,11 +1,12 @@
-"""Virtual Lag Time (DESIGN.md, RotaSched), with per-request SLOs.
+"""Virtual Lag Time (DESIGN.md, RotaSched), with per-request SLOs; as the paper defines it,
+with no clamp:
 
-    waiting for its first token:  VLT = max(0, now - t_arrival - beta_F * S_F)
-    paused, has emitted tokens:   VLT = alpha * max(0, now - t_last_token - beta_B * S_B)
+    waiting for its first token:  VLT = now - t_arrival - beta_F * S_F   (< 0 within its slack)
+    paused, has emitted tokens:   VLT = alpha * (now - t_last_token - beta_B * S_B)
     running:                      VLT = -(now - t_run_start)
 
-Within each of the first two classes VLT is a non-increasing function of a key that does
-not depend on `now` (`lag_key`), so each class lives in a heap ordered by that key and the
+Within each of the first two classes VLT is a decreasing function of a key that does not
+depend on `now` (`lag_key`), so each class lives in a heap ordered by that key and the
 scheduler merges the two heads by their actual VLT (`lag_vlt`).
 """
 
@@ -24,12 +25,14 @@ def lag_key(req: Request, cfg: SchedulerConfig) -> float:
 
 def lag_vlt(key: float, emitted: bool, now: float, cfg: SchedulerConfig) -> float:
     lag = now - key
-    if lag <= 0.0:
-        return 0.0
     return cfg.alpha * lag if emitted else lag
+
+
+def running_vlt(req: Request, now: float) -> float:
+    return -(now - req.run_start)
 
 
 def vlt(req: Request, now: float, cfg: SchedulerConfig) -> float:
     if req.status is Status.RUNNING:
-        return -(now - req.run_start)
+        return running_vlt(req, now)
     return lag_vlt(lag_key(req, cfg), req.has_emitted, now, cfg)
