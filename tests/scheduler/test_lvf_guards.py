@@ -1,0 +1,85 @@
+"""LVF's guards against a carousel of rotations (lvf.py): the minimum residency for
+displacement by a paused request that has emitted tokens, and such a request, when it
+cannot be placed, not holding back the requests behind it. Plus the paper's rule that
+only running requests with VLT < 0 are preempted."""
+
+from __future__ import annotations
+
+from services.scheduler.core import Status
+from shared.protocol import SLO, AddRequest, SamplingParams
+
+from .harness import Driver, add, make_core
+
+
+def rotated_out(**kw):
+    """4 HBM blocks of 16 tokens. a and b (17-token prompts) hold 2 each; c, late for its
+    first token at t=0.3, displaces a (the longest-running). Returns the driver at t=0.3."""
+    core = make_core("lvf", num_hbm=4, num_dram=32, block_size=16, min_residency_s=0.5, **kw)
+    d = Driver(core, dt=0.05)
+    add(core, "a", 17, 40, now=0.0)
+    d.now = 0.0
+    d.step()
+    add(core, "b", 17, 40, now=0.1)
+    d.now = 0.1
+    d.step()
+    core.add_request(AddRequest("c", [1] * 4, SamplingParams(max_tokens=40), slo=SLO(ttft_s=0.1)), 0.2)
+    d.now = 0.3
+    d.step()
+    assert [r.request_id for r in core.last_step.preempted] == ["a"], "a request late for its first token displaces"
+    assert core.requests["a"].status is Status.ROTARY
+    return d
+
+
+def test_min_residency_protects_requests_from_paused_decodes():
+    d = rotated_out()
+    core = d.core
+    a, b, c = (core.requests[r] for r in "abc")
+    while d.now < b.run_start + 0.5 - 1e-9:  # b put on the GPU at 0.1, c at 0.3
+        d.step()
+        assert a.status is Status.ROTARY and not core.last_step.preempted, d.now
+    for _ in range(3):
+        d.step()
+        if a.status is Status.RUNNING:
+            break
+    assert a.status is Status.RUNNING
+    assert [r.request_id for r in core.last_step.preempted] == ["b"]  # past its residency; c is not
+    assert c.status is Status.RUNNING
+    d.run()
+    assert len(d.finish) == 3
+
+
+def test_without_min_residency_a_paused_decode_displaces_at_once():
+    d = rotated_out()
+    d.core.cfg.min_residency_s = 0.0
+    d.step()
+    assert d.core.requests["a"].status is Status.RUNNING
+    assert [r.request_id for r in d.core.last_step.preempted] == ["b"]
+
+
+def test_held_back_decode_lets_arrivals_pass():
+    for yields in (True, False):
+        d = rotated_out(rotary_yields=yields)
+        core = d.core
+        d.step()  # the copies of a's swap-out are done: one block free
+        add(core, "d", 8, 2, now=d.now)  # fits in that block; ranks below a (VLT 3 x its lag)
+        plan = d.step()
+        assert core.requests["a"].status is Status.ROTARY
+        assert ("d" in {s.request_id for s in plan.scheduled}) == yields, yields
+        d.run()
+        assert len(d.finish) == 4
+
+
+def test_only_running_requests_with_negative_vlt_are_preempted():
+    """A request put on the GPU in this step (VLT 0) is never preempted in it, whatever
+    the guards."""
+    for residency in (0.0, 2.0):
+        core = make_core("lvf", num_hbm=12, num_dram=200, block_size=4, tbt_slo=0.02, min_residency_s=residency)
+        d = Driver(core, dt=0.02)
+        for i in range(10):
+            slo = SLO(ttft_s=0.05 * (1 + i % 3))
+            core.add_request(AddRequest(f"r{i}", [3] * (5 + i), SamplingParams(max_tokens=14), slo=slo), 0.01 * i)
+        while core.has_unfinished():
+            d.step()
+            step = core.last_step
+            assert all(r.run_start < step.now for r in step.preempted), step.step_id
+        assert core.num_rotations_out > 0 and len(d.finish) == 10
