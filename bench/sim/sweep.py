@@ -43,6 +43,7 @@ def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: 
         "rate": rate,
         **{k: getattr(cfg, k) for k in KNOBS if k != "transfer_mode"},
         "transfer_mode": setup.transfer_mode,
+        **{k: getattr(cfg, k) for k in ("reserve_full_prompt", "min_residency_s", "rotary_yields")},
         "model": setup.model.name,
         "hardware": setup.hardware.name,
         "num_requests": s["num_requests"],
@@ -164,6 +165,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beta-f", type=_floats, default=[d.beta_f])
     p.add_argument("--beta-b", type=_floats, default=[d.beta_b])
     p.add_argument("--xfer-budget", type=_ints, default=None, help="B_xfer blocks (default: the profile's)")
+    d = SchedulerConfig()
+    p.add_argument(
+        "--min-residency", type=_floats, default=[d.min_residency_s], help="lvf: min_residency_s, seconds (sweep)"
+    )
+    p.add_argument("--rotary-yields", action=argparse.BooleanOptionalAction, default=d.rotary_yields, help="lvf")
+    p.add_argument(
+        "--reserve-full-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=d.reserve_full_prompt,
+        help="admit only with HBM room for every known token",
+    )
     p.add_argument("--transfer-mode", type=_strs, default=["duplex"], help="naive, merged, batched, duplex")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="default: the profile's")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the profile's")
@@ -199,9 +211,10 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
         args.alpha,
         args.beta_f,
         args.beta_b,
+        args.min_residency,
         args.rates,
     )
-    for policy, mode, budget, alpha, beta_f, beta_b, rate in knobs:
+    for policy, mode, budget, alpha, beta_f, beta_b, residency, rate in knobs:
         cfg = SchedulerConfig(
             policy=policy,
             block_size=args.block_size,
@@ -213,6 +226,9 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
             ttft_slo=args.ttft_slo,
             tbt_slo=args.tbt_slo,
             xfer_budget=budget,
+            reserve_full_prompt=args.reserve_full_prompt,
+            min_residency_s=residency,
+            rotary_yields=args.rotary_yields,
         )
         jobs.append(
             Job(
