@@ -17,10 +17,10 @@
 Guards against rotation that costs more than it gains (SchedulerConfig; defaults chosen by
 measurement in the simulator, README "Scheduling"). Without them a paused request that has
 emitted tokens, whose VLT is positive the moment it is paused, displaces the longest-running
-request at once, which does the same a step later: a carousel (the simulator: 78 rotations
-per request, TBT attainment 73%). Such a displacement gains no TBT (the paused request's gap
-is missed already) and costs the victim a gap; a request waiting for its first token gains
-its TTFT.
+request at once, which does the same a step later: a carousel (the simulator, seeds 0-2 at
+1 req/s, no guard: 78 rotations per request, TBT attainment 73%). Such a displacement gains
+no TBT (the paused request's gap is missed already) and costs the victim a gap; a request
+waiting for its first token gains its TTFT.
 - `min_residency_s`: a paused request that has emitted tokens displaces only running
   requests that have run at least this long since they were put on the GPU. Requests
   waiting for their first token displace by VLT order alone.
