@@ -165,7 +165,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beta-f", type=_floats, default=[d.beta_f])
     p.add_argument("--beta-b", type=_floats, default=[d.beta_b])
     p.add_argument("--xfer-budget", type=_ints, default=None, help="B_xfer blocks (default: the profile's)")
-    d = SchedulerConfig()
     p.add_argument(
         "--min-residency", type=_floats, default=[d.min_residency_s], help="lvf: min_residency_s, seconds (sweep)"
     )
