@@ -1,4 +1,4 @@
-"""Native CPU kernels (csrc/*.c), compiled on first use with the machine's C compiler.
+"""Native CPU kernels (csrc/cpu_kernels.c), compiled on first use with the machine's C compiler.
 
 The source is plain C with OpenMP (no torch headers), so a build takes well under a second;
 the shared library is cached under `$SUPERINFER_CACHE_DIR` (default ~/.cache/superinfer),
@@ -6,8 +6,9 @@ keyed by the source, the flags, the compiler and this CPU's feature flags (`-mar
 It links libgomp by soname, so inside a process that imported torch it runs on the OpenMP
 runtime torch already loaded, with torch's thread count.
 
-Where no compiler is found or the build fails, `paged_attention()` returns None and the
-callers keep their torch path; `SUPERINFER_CPU_KERNELS=off` forces that path.
+Where no compiler is found or the build fails, `kernels()` returns None and the callers keep
+their torch path; `SUPERINFER_CPU_KERNELS=off` forces that path. Every kernel takes float32
+CPU tensors; `applies` says whether a tensor qualifies.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -33,24 +35,32 @@ log = structlog.get_logger("worker")
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-class PagedAttention:
-    """Decode attention over the block-first pool without gathering the context."""
+class CpuKernels:
+    """The library's entry points, each a method taking tensors."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.paged_decode_attention_f32
-        self._fn.restype = None
-        self._fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
-        self._fn.argtypes += [_i64] * 5 + [ctypes.c_float, ctypes.c_int]
+        f, c_int = ctypes.c_float, ctypes.c_int
+        self._attention = _bind(lib.paged_decode_attention_f32, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+                                + [_i64] * 5 + [f, c_int])  # fmt: skip
+        self._add_rms_norm = _bind(lib.add_rms_norm_f32, [_ptr, _ptr, _ptr, f, _ptr, _i64, _i64, c_int])
+        self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
+        self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
         limits = [_i64() for _ in range(3)]
         lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
         self.max_group, self.max_head_dim, self.max_block_size = (x.value for x in limits)
 
-    def supports(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    @staticmethod
+    def applies(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.dtype == torch.float32
+
+    # ------------------------------------------------------------ attention
+
+    def supports_decode(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
         """q: [R, H, D]; kv_layer: [N, 2, B, KV, D], a layer's strided view of the pool."""
         _, _, block_size, num_kv, head_dim = kv_layer.shape
         return (
-            q.device.type == "cpu"
-            and q.dtype == kv_layer.dtype == torch.float32
+            self.applies(q)
+            and self.applies(kv_layer)
             and q.stride(2) == 1
             and q.stride(1) == head_dim
             and kv_layer.stride()[2:] == (num_kv * head_dim, head_dim, 1)
@@ -59,33 +69,64 @@ class PagedAttention:
             and block_size <= self.max_block_size
         )
 
-    def decode(
+    def decode_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor, context_lens: torch.Tensor
     ) -> torch.Tensor:
-        """q: [R, H, D]; block_ids: [R, max_blocks] long; context_lens: [R] long (keys per
-        row, the new token's included). Returns [R, H, D]."""
+        """Decode attention over the pool without gathering the context. q: [R, H, D];
+        block_ids: [R, max_blocks] long; context_lens: [R] long (keys per row, the new
+        token's included). Returns [R, H, D]."""
         num_rows, num_heads, head_dim = q.shape
         _, _, block_size, num_kv, _ = kv_layer.shape
         out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype)
-        self._fn(
+        self._attention(
             q.data_ptr(), q.stride(0),
             kv_layer.data_ptr(), kv_layer.stride(0), kv_layer.stride(1),
             block_ids.data_ptr(), block_ids.shape[1], context_lens.data_ptr(), out.data_ptr(),
             num_rows, num_heads, num_kv, head_dim, block_size,
-            head_dim**-0.5, torch.get_num_threads(),
+            head_dim**-0.5, _threads(),
         )  # fmt: skip
         return out
 
+    # ------------------------------------------------------------ per-row ops
+
+    def add_rms_norm_(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):
+        """x: [T, n] contiguous, += delta ([T, n] contiguous) in place; returns rms_norm(x) * weight."""
+        out = torch.empty_like(x)
+        d = 0 if delta is None else delta.data_ptr()
+        self._add_rms_norm(x.data_ptr(), d, weight.data_ptr(), eps, out.data_ptr(), *x.shape, _threads())
+        return out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """x: [T, heads, D], heads contiguous, rotated in place; cos, sin: [T, D / 2] contiguous."""
+        num_rows, num_heads, head_dim = x.shape
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), num_rows, num_heads, head_dim, _threads())
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2n] contiguous -> [T, n] = silu(gate) * up."""
+        num_rows, width = gate_up.shape
+        out = gate_up.new_empty((num_rows, width // 2))
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, _threads())
+        return out
+
+
+def _bind(fn, argtypes: list) -> Callable:
+    fn.restype, fn.argtypes = None, argtypes
+    return fn
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
 
 @functools.cache
-def paged_attention() -> PagedAttention | None:
-    """The kernel, built or loaded once per process; None where it cannot be had."""
+def kernels() -> CpuKernels | None:
+    """The kernels, built or loaded once per process; None where they cannot be had."""
     if os.environ.get(ENV_SWITCH, "on").lower() in ("0", "off", "false", "no"):
         return None
     try:
-        return PagedAttention(ctypes.CDLL(str(build("paged_attention"))))
+        return CpuKernels(ctypes.CDLL(str(build("cpu_kernels"))))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        log.warning("cpu paged-attention kernel unavailable; using the torch path", error=str(e)[-500:])
+        log.warning("native cpu kernels unavailable; using the torch path", error=str(e)[-500:])
         return None
 
 

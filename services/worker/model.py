@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker import cpu_kernels
 from services.worker.attention import AttentionMetadata, paged_attention, write_kv
 from shared.modelfile import ModelConfig
 
@@ -28,24 +29,28 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x @ W^T (+ b), x: [T, in]. Holds W once, in the layout its device multiplies fastest.
+    """y = x @ W^T (+ b), x: [T, in]. Holds W in the layouts its device multiplies fastest.
 
-    CPU: packed once for oneDNN (as torch.compile's CPU freezing does). Against torch's
-    default sgemm on the same float32 weights (AMD EPYC, one thread) it measured 2.2x faster
-    at T >= 16 and within 10% at T = 1. Elsewhere, or where the build lacks the op: a
-    contiguous [in, out] copy, which CPU GEMV also streams 10-25% faster than [out, in].
+    Everywhere: a contiguous [in, out] copy, which GEMV streams 10-25% faster than [out, in].
+    CPU: also a copy packed once for oneDNN (as torch.compile's CPU freezing does), used from
+    `GEMV_MAX_ROWS + 1` rows on. Decode at one stream is memory-bound and plain GEMV wins it;
+    batches go to oneDNN. Measured on this project's 2-core x86 machine (AVX-512), the 120
+    layer matmuls of SmolLM2-135M, float32, 2 threads, ms per step (`[in, out]` / packed):
+    1 row 14.7 / 20.9, 2 rows 21.6 / 21.9, 4 rows 24.8 / 23.0, 8 rows 35.0 / 26.0, 16 rows
+    38.6 / 30.6. The price is a second copy of every weight in host memory.
     """
+
+    GEMV_MAX_ROWS = 2
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.bias = None if bias is None else _param(bias)
+        self.weight = _param(weight.t().contiguous())  # [in, out]
         self.packed = _onednn_pack(weight) if weight.device.type == "cpu" else None
-        # [in, out]; empty when packed (the packed copy is the only one kept).
-        self.weight = _param(weight.new_empty(0) if self.packed is not None else weight.t().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] > self.GEMV_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
@@ -69,17 +74,44 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [T, 1, head_dim] for the half-split (`rotate_half`) rope layout."""
+    """cos, sin: [T, head_dim / 2], the angles of each position (half-split rope layout: the
+    same angle turns element i and element i + head_dim / 2)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] -> rotated copy, same shape."""
+# ---------------------------------------------------------------- per-row ops
+# Each is one native call on CPU float32 (cpu_kernels.py), else the eager torch ops.
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, hidden], the residual stream: x += delta in place; returns rms_norm(x) * weight."""
+    native = cpu_kernels.kernels() if cpu_kernels.CpuKernels.applies(x) else None
+    if native is not None and (delta is None or delta.is_contiguous()):
+        return native.add_rms_norm_(x, delta, weight, eps)
+    if delta is not None:
+        x.add_(delta)
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x: [T, heads, D] with contiguous heads, rotated in place; cos, sin: [T, D / 2]."""
+    native = cpu_kernels.kernels() if cpu_kernels.CpuKernels.applies(x) else None
+    if native is not None:
+        return native.rope_(x, cos, sin)
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
+    x1, x2 = x[..., :half], x[..., half:]
+    x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I], gate columns then up columns -> [T, I] = silu(gate) * up."""
+    native = cpu_kernels.kernels() if cpu_kernels.CpuKernels.applies(gate_up) else None
+    if native is not None:
+        return native.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -110,16 +142,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]; writes this step's K/V into kv_layer."""
-        h = F.rms_norm(x, x.shape[-1:], self.input_norm, self.eps)
-        x = x + self._attention(h, cos, sin, kv_layer, meta)
-        return x + self._mlp(F.rms_norm(x, x.shape[-1:], self.post_norm, self.eps))
+        """x: [T, hidden], the residual stream, updated in place and returned; writes this
+        step's K/V into kv_layer."""
+        h = add_rms_norm_(x, None, self.input_norm, self.eps)
+        h = add_rms_norm_(x, self._attention(h, cos, sin, kv_layer, meta), self.post_norm, self.eps)
+        return x.add_(self._mlp(h))
 
     def _attention(self, h, cos, sin, kv_layer, meta) -> torch.Tensor:
         num_tokens = h.shape[0]
         num_qk = self.num_heads + self.num_kv_heads
         qkv = self.qkv(h)  # [T, (H + 2KV) * D]
-        qk = apply_rope(qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim), cos, sin)
+        qk = qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, self.head_dim)
+        rope_(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, KV, D]
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(kv_layer, k, v, meta)
@@ -127,8 +161,7 @@ class DecoderLayer(nn.Module):
         return self._reduce(self.o_proj(out.view(num_tokens, -1)))  # [T, hidden]
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(h).chunk(2, dim=-1)  # [T, I] each
-        return self._reduce(self.down(F.silu(gate, inplace=True).mul_(up)))  # [T, hidden]
+        return self._reduce(self.down(silu_and_mul(self.gate_up(h))))  # [T, hidden]
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """partial: [T, hidden], this rank's share of the sum; the sum over ranks."""
@@ -179,7 +212,7 @@ class LlamaModel(nn.Module):
         sample_rows: [S] row indices into T. Returns [S, vocab] float32.
         """
         x = F.embedding(token_ids, self.embed)  # [T, hidden]
-        cos, sin = rope_cos_sin(positions, self._rope_inv_freq(positions.device), x.dtype)  # [T, 1, D]
+        cos, sin = rope_cos_sin(positions, self._rope_inv_freq(positions.device), x.dtype)  # [T, D/2]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_pool[:, i], meta)
         h = F.rms_norm(x[sample_rows], x.shape[-1:], self.norm, self.cfg.rms_norm_eps)  # [S, hidden]

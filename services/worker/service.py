@@ -219,7 +219,7 @@ def build_worker(
     pools = KVPools(spec, num_hbm, num_dram, device, prefault=args.kv_prefault)
     engine = TransferEngine(pools, args.transfer_mode)
     if device.type == "cpu":
-        cpu_kernels.paged_attention()  # built (or loaded) now, not during the first step
+        cpu_kernels.kernels()  # built (or loaded) now, not during the first step
     runner = ModelRunner(model, cfg, pools.hbm, args.block_size, device, group)
     ready = p.WorkerReady(
         model_name=cfg.name,

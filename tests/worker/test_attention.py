@@ -29,7 +29,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cache
 def decode_path(request, monkeypatch):
     """Decodes through the native CPU kernel, and through the torch path it replaces elsewhere."""
     if request.param == "sdpa":
-        monkeypatch.setattr(cpu_kernels, "paged_attention", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
     return request.param
 
 
@@ -96,7 +96,7 @@ def test_short_block_table_is_rejected():
 
 def test_cpu_kernel_builds_here():
     """This machine has a C compiler, so serving must not fall back to the slower torch path."""
-    assert cpu_kernels.paged_attention() is not None
+    assert cpu_kernels.kernels() is not None
 
 
 @pytest.mark.parametrize(
@@ -115,5 +115,5 @@ def test_cpu_kernel_matches_sdpa_path(block_size, num_kv, group, head_dim):
     meta = build_metadata(context, [1] * len(context), tables, block_size, "cpu")
     qk = torch.randn(len(context), num_heads + num_kv, head_dim, generator=gen)
     q, layer = qk[:, :num_heads], pool[:, 1]  # [R, H, D] with a row stride of H + KV heads
-    got = cpu_kernels.paged_attention().decode(q, layer, meta.decodes.block_ids, meta.decodes.context_lens)
+    got = cpu_kernels.kernels().decode_attention(q, layer, meta.decodes.block_ids, meta.decodes.context_lens)
     torch.testing.assert_close(got, attention._decode_sdpa(q, layer, meta.decodes), atol=1e-5, rtol=1e-5)

@@ -1,4 +1,6 @@
-/* Paged decode attention on the CPU, straight from the block-first KV pool.
+/* Native CPU kernels for the worker's float32 forward (services/worker/cpu_kernels.py).
+ *
+ * Paged decode attention, straight from the block-first KV pool.
  *
  * Each single-token query reads its request's keys and values where they lie, block by block,
  * once: no gathered copy of the context (the torch path copies it, then SDPA reads the copy),
@@ -85,5 +87,67 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const floa
                 for (int64_t d = 0; d < head_dim; d++) o[g * head_dim + d] = acc[g][d] * inv;
             }
         }
+    }
+}
+
+/* ------------------------------------------------------------ per-row elementwise ops
+ * One call for what eager torch runs as several ops (each with its own dispatch and
+ * intermediate tensor). Rows are few at decode, so threads join only for big batches. */
+
+#define PARALLEL_ROWS 64
+
+static inline void rms_norm_row(const float *restrict x, const float *restrict w, float eps, float *restrict out,
+                                int64_t n) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+/* x: [T, n] contiguous; delta: [T, n] or NULL. x += delta (in place), then out = rms_norm(x) * w. */
+void add_rms_norm_f32(float *x, const float *delta, const float *w, float eps, float *out, int64_t num_rows,
+                      int64_t n, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < num_rows; r++) {
+        float *xr = x + r * n;
+        if (delta) {
+            const float *dr = delta + r * n;
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) xr[i] += dr[i];
+        }
+        rms_norm_row(xr, w, eps, out + r * n, n);
+    }
+}
+
+/* Rotary embedding, half-split layout (HF's rotate_half), in place on the first `num_heads`
+ * heads of each row: x: rows `row_stride` floats apart, heads `head_dim` apart; cos, sin:
+ * [T, head_dim / 2] (the angles of each position). */
+void rope_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t num_rows, int64_t num_heads,
+              int64_t head_dim, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *c = cos + r * half, *s = sin + r * half;
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *a = x + r * row_stride + h * head_dim, *b = a + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* gate_up: [T, 2n] (gate columns, then up columns) -> out: [T, n] = silu(gate) * up. */
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t num_rows, int64_t n, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *g = gate_up + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }

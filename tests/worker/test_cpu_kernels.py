@@ -1,0 +1,54 @@
+"""The native CPU per-row ops against the eager torch ops they replace (same function, the
+kernels switched off), on shapes the models meet: one row, a decode batch, a prefill chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker import cpu_kernels, model
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Run what follows on the eager torch path."""
+    return lambda: monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 100])
+def test_add_rms_norm_matches_torch(rows, torch_path):
+    gen = torch.Generator().manual_seed(rows)
+    x, delta, w = torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen), torch.randn(576)
+    x_native = x.clone()
+    got_plain, got_added = model.add_rms_norm_(x_native.clone(), None, w, 1e-5), model.add_rms_norm_(x_native, delta, w, 1e-5)
+    torch_path()
+    x_torch = x.clone()
+    want_plain, want_added = model.add_rms_norm_(x_torch.clone(), None, w, 1e-5), model.add_rms_norm_(x_torch, delta, w, 1e-5)
+    torch.testing.assert_close(x_native, x_torch)  # the residual stream itself
+    torch.testing.assert_close(got_plain, want_plain)
+    torch.testing.assert_close(got_added, want_added)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 100])
+def test_rope_matches_torch(rows, torch_path):
+    """In place on the q and k heads of a [T, (H + 2KV) * D] projection (v untouched)."""
+    gen = torch.Generator().manual_seed(rows)
+    heads, kv, d = 9, 3, 64
+    qkv = torch.randn(rows, (heads + 2 * kv) * d, generator=gen)
+    angles = torch.randn(rows, d // 2, generator=gen) * 10
+    cos, sin = angles.cos(), angles.sin()
+    native = qkv.clone()
+    model.rope_(native[:, : (heads + kv) * d].view(rows, heads + kv, d), cos, sin)
+    torch_path()
+    eager = qkv.clone()
+    model.rope_(eager[:, : (heads + kv) * d].view(rows, heads + kv, d), cos, sin)
+    torch.testing.assert_close(native, eager)
+    assert torch.equal(native[:, (heads + kv) * d :], qkv[:, (heads + kv) * d :])
+
+
+@pytest.mark.parametrize("rows", [1, 8, 100])
+def test_silu_and_mul_matches_torch(rows, torch_path):
+    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4
+    got = model.silu_and_mul(gate_up.clone())
+    torch_path()
+    torch.testing.assert_close(got, model.silu_and_mul(gate_up.clone()))
