@@ -12,9 +12,11 @@ from shared import config
 
 
 def config_flags(g) -> None:
-    """`--field-name` for every flag field of SchedulerConfig, typed and defaulted by the field."""
+    """`--field-name` for every flag field of SchedulerConfig, typed and defaulted by the field;
+    a bool field is a switch both ways, `--field-name/--no-field-name`."""
     for f in SchedulerConfig.flag_fields():
-        g.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, **f.metadata)
+        kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {"type": type(f.default)}
+        g.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind, **f.metadata)
 
 
 def model_args(p: argparse.ArgumentParser) -> None:

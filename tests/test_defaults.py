@@ -85,3 +85,40 @@ def test_kv_block_bytes_are_computed_once():
     spec, shape = MODEL_KV_SPECS["qwen2.5-32b"], MODELS["qwen2.5-32b"]
     assert spec.block_bytes == shape.kv_block_bytes(spec.block_size, 2) == 4 << 20  # 4 MiB, fp16
     assert spec.segment_bytes == shape.kv_segment_bytes(spec.block_size, 2)
+
+
+BOOL_KNOBS = ("eager_rotation", "reserve_full_prompt", "rotary_yields")
+
+
+def test_a_bool_knob_is_a_switch_both_ways_and_serve_passes_it_to_the_scheduler():
+    assert {f.name for f in SchedulerConfig.flag_fields()} >= set(BOOL_KNOBS)
+    parser = build_parser()
+    with pytest.raises(SystemExit):  # not `--rotary-yields False`, which a bool type reads as True
+        parser.parse_args(["scheduler", "--rotary-yields", "False"])
+    serve = parser.parse_args(["serve", "--no-rotary-yields", "--no-reserve-full-prompt", "--policy", "fcfs"])
+    argv = child_argv(serve, flags.scheduler_args)
+    assert sorted(argv) == sorted(["--no-rotary-yields", "--no-reserve-full-prompt", "--policy", "fcfs"])
+    child = SchedulerConfig.from_flags(parser.parse_args(["scheduler", *argv]))  # what the scheduler child runs
+    assert child == SchedulerConfig(policy="fcfs", rotary_yields=False, reserve_full_prompt=False)
+
+
+@pytest.mark.parametrize("name", BOOL_KNOBS)
+def test_a_bool_default_flipped_in_the_config_flips_the_help_the_child_argv_and_the_simulator(monkeypatch, name):
+    before = getattr(SchedulerConfig(), name)
+    change_default(monkeypatch, name, not before)
+    on, off = "--" + name.replace("_", "-"), "--no-" + name.replace("_", "-")
+    parser = build_parser()
+    for cmd in ("serve", "scheduler"):
+        assert f"(default {not before})" in option_help(command(parser, cmd), on)
+        assert getattr(SchedulerConfig.from_flags(parser.parse_args([cmd])), name) is (not before)
+    assert child_argv(parser.parse_args(["serve"]), flags.scheduler_args) == []  # the child has the same default
+    old = on if before else off  # the former default, asked for on `serve`, reaches the child
+    argv = child_argv(parser.parse_args(["serve", old]), flags.scheduler_args)
+    assert argv == [old]
+    assert getattr(SchedulerConfig.from_flags(parser.parse_args(["scheduler", *argv])), name) is before
+
+    p = argparse.ArgumentParser()
+    sweep.add_arguments(p)
+    args = p.parse_args(["--rates", "1", "--policies", "lvf"])
+    (job,) = sweep.jobs_from_args(args, load_hardware("gh200"), MODELS[args.model])
+    assert getattr(job.setup.cfg, name) is (not before)
