@@ -49,9 +49,9 @@ def scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pipeline-depth",
         type=int,
-        choices=[1, 2],
-        default=2,
-        help="plans in flight at the worker: 2 builds step t+1 while t computes (default), 1 waits",
+        choices=config.PIPELINE_DEPTHS,
+        default=config.DEFAULT_PIPELINE_DEPTH,
+        help="plans in flight at the worker: 2 builds step t+1 while t computes, 1 waits (default %(default)s)",
     )
     g.add_argument("--step-trace", default=None, metavar="PATH", help="append one JSON line per step to PATH")
     g.add_argument(

@@ -122,3 +122,23 @@ def test_a_bool_default_flipped_in_the_config_flips_the_help_the_child_argv_and_
     args = p.parse_args(["--rates", "1", "--policies", "lvf"])
     (job,) = sweep.jobs_from_args(args, load_hardware("gh200"), MODELS[args.model])
     assert getattr(job.setup.cfg, name) is (not before)
+
+
+def test_the_pipeline_depth_has_one_default():
+    import inspect
+
+    from bench.sim.engine import SimSetup
+    from services.scheduler.driver import Driver
+    from services.scheduler.service import SchedulerService
+
+    depth = config.DEFAULT_PIPELINE_DEPTH
+    parser = build_parser()
+    for cmd in ("serve", "scheduler"):
+        assert parser.parse_args([cmd]).pipeline_depth == depth
+        assert f"(default {depth})" in option_help(command(parser, cmd), "--pipeline-depth")
+    assert inspect.signature(SchedulerService).parameters["pipeline_depth"].default == depth
+    assert inspect.signature(Driver).parameters["depth"].default == depth
+    assert SimSetup.__dataclass_fields__["pipeline_depth"].default == depth
+    p = argparse.ArgumentParser()
+    sweep.add_arguments(p)
+    assert p.parse_args([]).pipeline_depth == depth
