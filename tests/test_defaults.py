@@ -34,6 +34,15 @@ def command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentPars
     return sub.choices[name]
 
 
+def simulated_config() -> SchedulerConfig:
+    """The config `bench sim` runs with its defaults."""
+    p = argparse.ArgumentParser()
+    sweep.add_arguments(p)
+    args = p.parse_args(["--rates", "1", "--policies", "lvf"])
+    (job,) = sweep.jobs_from_args(args, load_hardware("gh200"), MODELS[args.model])
+    return job.setup.cfg
+
+
 def option_help(parser: argparse.ArgumentParser, flag: str) -> str:
     """The lines `--help` prints for one option."""
     text = parser.format_help()
@@ -56,11 +65,7 @@ def test_a_default_changed_in_the_config_reaches_the_cli_the_service_and_the_sim
     serve = parser.parse_args(["serve"])
     assert flag not in child_argv(serve, flags.scheduler_args)  # the child's own default is the same one
 
-    p = argparse.ArgumentParser()
-    sweep.add_arguments(p)
-    args = p.parse_args(["--rates", "1", "--policies", "lvf"])
-    (job,) = sweep.jobs_from_args(args, load_hardware("gh200"), MODELS[args.model])
-    assert getattr(job.setup.cfg, name) == value
+    assert getattr(simulated_config(), name) == value
 
 
 def test_every_config_flag_defaults_to_the_config():
@@ -117,11 +122,7 @@ def test_a_bool_default_flipped_in_the_config_flips_the_help_the_child_argv_and_
     assert argv == [old]
     assert getattr(SchedulerConfig.from_flags(parser.parse_args(["scheduler", *argv])), name) is before
 
-    p = argparse.ArgumentParser()
-    sweep.add_arguments(p)
-    args = p.parse_args(["--rates", "1", "--policies", "lvf"])
-    (job,) = sweep.jobs_from_args(args, load_hardware("gh200"), MODELS[args.model])
-    assert getattr(job.setup.cfg, name) is (not before)
+    assert getattr(simulated_config(), name) is (not before)
 
 
 def test_the_pipeline_depth_has_one_default():
