@@ -12,9 +12,11 @@ from shared import config
 
 
 def config_flags(g) -> None:
-    """`--field-name` for every flag field of SchedulerConfig, typed and defaulted by the field."""
+    """`--field-name` for every flag field of SchedulerConfig, typed and defaulted by the field;
+    a bool field is a switch both ways, `--field-name/--no-field-name`."""
     for f in SchedulerConfig.flag_fields():
-        g.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, **f.metadata)
+        kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {"type": type(f.default)}
+        g.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind, **f.metadata)
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
@@ -47,9 +49,9 @@ def scheduler_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pipeline-depth",
         type=int,
-        choices=[1, 2],
-        default=2,
-        help="plans in flight at the worker: 2 builds step t+1 while t computes (default), 1 waits",
+        choices=config.PIPELINE_DEPTHS,
+        default=config.DEFAULT_PIPELINE_DEPTH,
+        help="plans in flight at the worker: 2 builds step t+1 while t computes, 1 waits (default %(default)s)",
     )
     g.add_argument("--step-trace", default=None, metavar="PATH", help="append one JSON line per step to PATH")
     g.add_argument(

@@ -95,6 +95,9 @@ def child_argv(args: argparse.Namespace, add_group) -> list[str]:
         value = getattr(args, action.dest, None)
         if value is None or value == action.default:
             continue
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: the one that sets `value`
+            out.append(action.option_strings[0 if value else 1])
+            continue
         flag = action.option_strings[0]
         out += [flag] if action.nargs == 0 else [flag, str(value)]  # nargs 0: a switch (store_true)
     return out

@@ -25,6 +25,12 @@ ADMIN_TOKEN_ENV = "SUPERINFER_ADMIN_TOKEN"
 ZMQ_HWM = 10_000
 ZMQ_LINGER_MS = 500
 
+# Plans at the worker at once (services/scheduler/driver.py): 2 builds step t+1 while t
+# computes, 1 waits for each result. The service's --pipeline-depth, the simulator's and the
+# replay of a live run all default to this one.
+PIPELINE_DEPTHS = (1, 2)
+DEFAULT_PIPELINE_DEPTH = 2
+
 
 # ---------------------------------------------------------------- KV geometry
 # The scheduler's other knobs live in services/scheduler/core/config.py (SchedulerConfig).

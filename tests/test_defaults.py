@@ -34,6 +34,15 @@ def command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentPars
     return sub.choices[name]
 
 
+def simulated_config() -> SchedulerConfig:
+    """The config `bench sim` runs with its defaults."""
+    p = argparse.ArgumentParser()
+    sweep.add_arguments(p)
+    args = p.parse_args(["--rates", "1", "--policies", "lvf"])
+    (job,) = sweep.jobs_from_args(args, load_hardware("gh200"), MODELS[args.model])
+    return job.setup.cfg
+
+
 def option_help(parser: argparse.ArgumentParser, flag: str) -> str:
     """The lines `--help` prints for one option."""
     text = parser.format_help()
@@ -56,11 +65,7 @@ def test_a_default_changed_in_the_config_reaches_the_cli_the_service_and_the_sim
     serve = parser.parse_args(["serve"])
     assert flag not in child_argv(serve, flags.scheduler_args)  # the child's own default is the same one
 
-    p = argparse.ArgumentParser()
-    sweep.add_arguments(p)
-    args = p.parse_args(["--rates", "1", "--policies", "lvf"])
-    (job,) = sweep.jobs_from_args(args, load_hardware("gh200"), MODELS[args.model])
-    assert getattr(job.setup.cfg, name) == value
+    assert getattr(simulated_config(), name) == value
 
 
 def test_every_config_flag_defaults_to_the_config():
@@ -85,3 +90,56 @@ def test_kv_block_bytes_are_computed_once():
     spec, shape = MODEL_KV_SPECS["qwen2.5-32b"], MODELS["qwen2.5-32b"]
     assert spec.block_bytes == shape.kv_block_bytes(spec.block_size, 2) == 4 << 20  # 4 MiB, fp16
     assert spec.segment_bytes == shape.kv_segment_bytes(spec.block_size, 2)
+
+
+BOOL_KNOBS = ("eager_rotation", "reserve_full_prompt", "rotary_yields")
+
+
+def test_a_bool_knob_is_a_switch_both_ways_and_serve_passes_it_to_the_scheduler():
+    assert {f.name for f in SchedulerConfig.flag_fields()} >= set(BOOL_KNOBS)
+    parser = build_parser()
+    with pytest.raises(SystemExit):  # not `--rotary-yields False`, which a bool type reads as True
+        parser.parse_args(["scheduler", "--rotary-yields", "False"])
+    serve = parser.parse_args(["serve", "--no-rotary-yields", "--no-reserve-full-prompt", "--policy", "fcfs"])
+    argv = child_argv(serve, flags.scheduler_args)
+    assert sorted(argv) == sorted(["--no-rotary-yields", "--no-reserve-full-prompt", "--policy", "fcfs"])
+    child = SchedulerConfig.from_flags(parser.parse_args(["scheduler", *argv]))  # what the scheduler child runs
+    assert child == SchedulerConfig(policy="fcfs", rotary_yields=False, reserve_full_prompt=False)
+
+
+@pytest.mark.parametrize("name", BOOL_KNOBS)
+def test_a_bool_default_flipped_in_the_config_flips_the_help_the_child_argv_and_the_simulator(monkeypatch, name):
+    before = getattr(SchedulerConfig(), name)
+    change_default(monkeypatch, name, not before)
+    on, off = "--" + name.replace("_", "-"), "--no-" + name.replace("_", "-")
+    parser = build_parser()
+    for cmd in ("serve", "scheduler"):
+        assert f"(default {not before})" in option_help(command(parser, cmd), on)
+        assert getattr(SchedulerConfig.from_flags(parser.parse_args([cmd])), name) is (not before)
+    assert child_argv(parser.parse_args(["serve"]), flags.scheduler_args) == []  # the child has the same default
+    old = on if before else off  # the former default, asked for on `serve`, reaches the child
+    argv = child_argv(parser.parse_args(["serve", old]), flags.scheduler_args)
+    assert argv == [old]
+    assert getattr(SchedulerConfig.from_flags(parser.parse_args(["scheduler", *argv])), name) is before
+
+    assert getattr(simulated_config(), name) is (not before)
+
+
+def test_the_pipeline_depth_has_one_default():
+    import inspect
+
+    from bench.sim.engine import SimSetup
+    from services.scheduler.driver import Driver
+    from services.scheduler.service import SchedulerService
+
+    depth = config.DEFAULT_PIPELINE_DEPTH
+    parser = build_parser()
+    for cmd in ("serve", "scheduler"):
+        assert parser.parse_args([cmd]).pipeline_depth == depth
+        assert f"(default {depth})" in option_help(command(parser, cmd), "--pipeline-depth")
+    assert inspect.signature(SchedulerService).parameters["pipeline_depth"].default == depth
+    assert inspect.signature(Driver).parameters["depth"].default == depth
+    assert SimSetup.__dataclass_fields__["pipeline_depth"].default == depth
+    p = argparse.ArgumentParser()
+    sweep.add_arguments(p)
+    assert p.parse_args([]).pipeline_depth == depth

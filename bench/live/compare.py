@@ -37,6 +37,7 @@ from bench.live.serve import first_model, replay
 from bench.live.server import REPO, LaunchError, answers_ready, launch
 from bench.live.workload import SyntheticSpec, WorkItem, load_workload, synthetic_items
 from bench.report.metrics import RequestRecord, format_summary, summarize
+from bench.report.rows import dig
 from services.scheduler.core import SchedulerConfig
 
 WORKLOADS = ("probe", "sharegpt")
@@ -287,14 +288,6 @@ def table_rows(cfg: dict) -> list[tuple[str, str, tuple[str, ...], str]]:
             (label, "completed / failed", ("sharegpt",), "counts"),
         ]
     return rows
-
-
-def dig(d, path: tuple[str, ...]):
-    for key in path:
-        if not isinstance(d, dict) or key not in d:
-            return None
-        d = d[key]
-    return d
 
 
 def cell(v, kind: str) -> str:

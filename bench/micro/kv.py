@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report.rows import dig
 from services.worker.kv_pool import MODEL_KV_SPECS, KVPools, KVSpec, blocks_in
 from services.worker.transfer import MODES, TransferEngine
 
@@ -154,19 +155,11 @@ GOALS = [
 ]
 
 
-def _lookup(d: dict, path: tuple[str, ...]):
-    for key in path:
-        if not isinstance(d, dict) or key not in d:
-            return None
-        d = d[key]
-    return d
-
-
 def goals(result: dict) -> dict:
     """The issue's targets that this run has the figures for."""
     out = {}
     for name, num, den, target in GOALS:
-        a, b = _lookup(result, num), _lookup(result, den)
+        a, b = dig(result, num), dig(result, den)
         if a is not None and b:
             value = round(a / b, 3)
             out[name] = {"value": value, "target": target, "met": value >= target}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.report.rows import BASELINES, PAPER_STEP, at, operating_points, pct, tbt_behind
+from bench.report.rows import BASELINES, PAPER_STEP, at, knob_rows, operating_points, pct, tbt_behind
 from services.scheduler.core import POLICIES
 
 
@@ -62,7 +62,7 @@ def discussion(res: dict, hi: float) -> list[str]:
     best = max((at(r16, p, hi) for p in POLICIES if p != "lvf"), key=lambda r: r["ttft_attainment"])
     same = all(r["ttft_attainment"] == at(r16, r["policy"], r["rate"])["ttft_attainment"] for r in res["fig16_systems"])
     rot = lvf["num_preemptions"] / max(lvf["num_steps"], 1)
-    k = res["knobs"]
+    k = knob_rows(res)
     points = operating_points(res)
     top = {  # baseline -> (LVF's largest lead over it at any rate and HBM size, rate, HBM blocks)
         b: max((*best_lead(rows, (b,))[:2], blocks) for blocks, rows in points.items()) for b in BASELINES

@@ -27,6 +27,20 @@ def operating_points(res: dict) -> dict[int, list[dict]]:
     return out
 
 
+def dig(d, path: tuple[str, ...]):
+    """The value at `path` (keys, outermost first) in nested dicts, or None where one is missing."""
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def knob_rows(res: dict) -> dict[str, list[dict]]:
+    """Knob (alpha, beta_f, beta_b) -> the rows of its sweep, kept as `fig_<knob>`."""
+    return {name.removeprefix("fig_"): rows for name, rows in res.items() if name.startswith("fig_")}
+
+
 def tbt_behind(rows: list[dict], rate: float) -> float:
     """Points by which LVF's TBT attainment at `rate` trails the best policy's."""
     return 100 * (max(r["tbt_attainment"] for r in rows if r["rate"] == rate) - at(rows, "lvf", rate)["tbt_attainment"])

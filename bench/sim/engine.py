@@ -49,6 +49,7 @@ from bench.sim.costmodel import Hardware, ModelShape, StepWork, compute_time, nu
 from services.scheduler.core import SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
+from shared.config import DEFAULT_PIPELINE_DEPTH
 from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, TokenOutput
 
 TOKEN = 1  # the id every synthesized sample carries (never a stop token: no stop ids are set)
@@ -100,7 +101,7 @@ class SimSetup:
     num_dram_blocks: int = 0
     sched_time: str = "model"  # "model" | "measured" | milliseconds
     check_invariants: bool = False
-    pipeline_depth: int = 2  # plans at the worker at once, as the live scheduler keeps
+    pipeline_depth: int = DEFAULT_PIPELINE_DEPTH  # plans at the worker at once, as the live scheduler keeps
 
 
 @dataclass

@@ -5,7 +5,9 @@ scheduler core that serves, plus the cost model's transfer table.
 Every number in the Markdown comes from this run, except the last section's: the simulator
 against the live server, read from the runs `superinfer bench simlive` recorded in
 bench/results/simlive_runs.jsonl. The rows, one CSV per figure and the PNGs go to
-bench/results/. The whole reproduction takes a few minutes on two cores.
+bench/results/. The whole reproduction takes a few minutes on two cores. The Markdown is
+rendered from the rows file (reproduction.json, which records the setting too) and those
+runs alone: `--from-rows` re-renders it without running anything.
 """
 
 from __future__ import annotations
@@ -14,14 +16,12 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.live import workload
-from bench.report import plots
-from bench.report.discussion import discussion
+from bench.report import plots, reproduction
 from bench.report.metrics import RequestRecord
-from bench.report.reproduction import render
 from bench.report.rows import PAPER_STEP, at, pct
 from bench.sim import engine, sweep
 from bench.sim.costmodel import GB, MODELS, MODES, ideal_time, load_hardware, transfer_time
@@ -187,9 +187,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=1, help="processes")
     p.add_argument("--out", type=Path, default=HERE / "REPRODUCTION.md")
     p.add_argument("--results", type=Path, default=HERE / "results")
+    p.add_argument(
+        "--from-rows",
+        action="store_true",
+        help="run nothing: rewrite --out from the rows in --results (after `bench simlive` recorded a run)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_rows:
+        args.out.write_text(reproduction.render_results(args.results))
+        return 0
     t0 = time.perf_counter()
     ctx = Ctx(args)
     out = args.results
@@ -207,27 +215,70 @@ def run(args: argparse.Namespace) -> int:
     res["table1"] = table1(ctx)
     res["claims"] = claims(res["fig16"], args.rates)
     res["claims_slow"] = claims(res["fig16_slow"], args.rates)
-    res["discussion"] = discussion(res, hi)
-    write_results(res, out)
-    args.out.write_text(render(ctx, res, time.perf_counter() - t0))
+    figs = write_results(res, out)
+    record = {**figs, "claims": res["claims"], "paper_factor": res["paper_factor"]}
+    record["setting"] = setting_record(ctx, time.perf_counter() - t0)
+    (out / reproduction.ROWS_FILE).write_text(json.dumps(record, indent=1))
+    args.out.write_text(reproduction.render_results(out))
     print(f"wrote {args.out} and {out}/ in {time.perf_counter() - t0:.0f} s ({ctx.num_runs} runs)", file=sys.stderr)
     return 0
 
 
-def write_results(res: dict, out: Path) -> None:
+def setting_record(ctx: Ctx, seconds: float) -> dict:
+    """What the reproduction ran, as REPRODUCTION.md's setting paragraph tells it (the rows
+    file keeps it, so the document is rendered from that file alone)."""
+    hw, m, items, setup = ctx.hw, ctx.model, ctx.items, ctx.setup("lvf")
+    return {
+        "seconds": seconds,
+        "num_runs": ctx.num_runs,
+        "rates": list(ctx.args.rates),
+        "seed": ctx.args.seed,
+        "model": {
+            "name": m.name,
+            "params_b": m.num_params / 1e9,
+            "block_mib": m.kv_block_bytes(setup.cfg.block_size, hw.dtype_bytes) / (1 << 20),
+        },
+        "hardware": {
+            "name": hw.name,
+            "tflops": hw.flops / 1e12,
+            "compute_efficiency": hw.compute_efficiency,
+            "hbm_tbs": hw.hbm_bw / 1e12,
+            "hbm_efficiency": hw.hbm_efficiency,
+            "step_overhead_ms": hw.step_overhead_s * 1e3,
+            "hbm_gb": hw.hbm_bytes / GB,
+            "mem_utilization": hw.mem_utilization,
+            "dram_fraction": hw.dram_fraction,
+            "host_gb": hw.host_bytes / GB,
+            "link_gbs": hw.link.curve[-1][1],
+            "link_gbs_64k": hw.link.rate(65536) / GB,
+            "dram_gbs": hw.link.dram_gbs,
+            "duplex_efficiency": hw.link.duplex_efficiency,
+            "sched_ms": hw.sched_s * 1e3,
+        },
+        "num_hbm_blocks": setup.num_hbm_blocks,
+        "num_dram_blocks": setup.num_dram_blocks,
+        "workload": {
+            "num_requests": len(items),
+            "mean_prompt_tokens": sum(i.prompt_tokens for i in items) / len(items),
+            "mean_output_tokens": sum(i.output_tokens for i in items) / len(items),
+        },
+        "scheduler": asdict(setup.cfg),
+    }
+
+
+def write_results(res: dict, out: Path) -> dict[str, list[dict]]:
+    """One CSV per figure and the plots; returns the rows by figure, as the rows file keeps them."""
     figs = {k: v for k, v in res.items() if k.startswith("fig") or k == "table1"}
     figs.update({f"fig_{k}": v for k, v in res["knobs"].items()})
     for name, rows in figs.items():
         sweep.write_outputs(rows, None, out / f"{name}.csv", {})
-    (out / "reproduction.json").write_text(
-        json.dumps({**figs, "claims": res["claims"], "paper_factor": res["paper_factor"]}, indent=1)
-    )
     plots.plot_attainment(res["fig16"], out, "Qwen2.5-32B on gh200", "fig16")
     plots.plot_attainment(res["fig16_slow"], out, "gh200 at the paper's step time", "fig16_paper_speed")
     plots.plot_attainment(res["fig17"], out, "ablation", "fig17")
     plots.plot_sweep(res["fig21"], "xfer_budget", out / "fig21.png", "B_xfer sweep", by="transfer_mode")
     for k, rows in res["knobs"].items():
         plots.plot_sweep(rows, k, out / f"fig_{k}.png", f"{k} sweep")
+    return figs
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ class SchedulerService:
         bind: str,
         worker_bind: str,
         log,
-        pipeline_depth: int = 2,
+        pipeline_depth: int = config.DEFAULT_PIPELINE_DEPTH,
         step_trace: str | None = None,
         admin_bind: str | None = None,
         admin_token: str | None = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import shutil
+from pathlib import Path
 
 from bench.report import reproduction
 from bench.report.rows import BASELINES
@@ -47,3 +49,19 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path):
     for blocks in (full, *sizes):
         assert f"| {blocks} | " in md  # one row of leads per operating point
     assert (tmp_path / "fig16.png").stat().st_size > 0
+
+    rows_only = tmp_path / "rows_only"  # the rows file and nothing else of the run
+    rows_only.mkdir()
+    shutil.copy(tmp_path / reproduction.ROWS_FILE, rows_only)
+    assert reproduction.render_results(rows_only) == md
+    again = tmp_path / "again.md"
+    assert reproduce.run(parser.parse_args(["--from-rows", "--results", str(rows_only), "--out", str(again)])) == 0
+    assert again.read_text() == md
+
+
+def test_the_committed_page_is_rendered_from_the_committed_rows():
+    """bench/REPRODUCTION.md is what its rows (and the simulator-vs-live runs on record) render
+    to; after `bench simlive` records a run, `bench reproduce --from-rows` brings it up to date."""
+    bench = Path(reproduce.__file__).resolve().parents[1]
+    assert reproduction.render_results(bench / "results") == (bench / "REPRODUCTION.md").read_text()
+

@@ -11,6 +11,7 @@ from dataclasses import asdict
 import pytest
 
 from bench.live.workload import WorkItem, arrival_times, with_arrivals
+from bench.report import simlive as report_simlive
 from bench.report.metrics import RequestRecord
 from bench.sim import replay, simlive
 from bench.sim.costmodel import PROFILE_DIR, StepWork, hardware_from_dict
@@ -209,7 +210,7 @@ def test_markdown_shows_the_latest_setting_runs_and_their_medians():
         res["live"] |= dict.fromkeys(simlive.ATTAIN, 0.5)
         res["sim"] |= dict.fromkeys(simlive.ATTAIN, 0.5)
         runs.append(json.loads(json.dumps(simlive.history_line(res))))
-    text = "\n".join(simlive.markdown(runs))
+    text = "\n".join(report_simlive.markdown(runs))
     assert text.count("| 20") == 2  # the first run had another setting
     assert "**median of 2**" in text and "**0.90**" in text and "**1.10**" in text
-    assert "Not measured" in "\n".join(simlive.markdown([]))
+    assert "Not measured" in "\n".join(report_simlive.markdown([]))

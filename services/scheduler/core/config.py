@@ -10,9 +10,10 @@ POLICIES = ("lvf", "fcfs", "sf", "wf")
 
 
 def _flag(default, help: str, **argparse_kw):
-    """A knob that is also a command-line flag, `--field-name`: its help (`%(default)s` shows
-    this default) and any other argparse keyword (`choices`). The CLI generates the flags
-    from these fields (services/flags.py), so a default is written here and nowhere else."""
+    """A knob that is also a command-line flag, `--field-name` (`--field-name/--no-field-name`
+    for a bool): its help (`%(default)s` shows this default) and any other argparse keyword
+    (`choices`). The CLI generates the flags from these fields (services/flags.py), so a
+    default is written here and nowhere else."""
     return field(default=default, metadata={"help": help, **argparse_kw})
 
 
@@ -54,8 +55,16 @@ class SchedulerConfig:
         "pass it gets 429, unless none is waiting (0 = unbounded)",
     )
     block_size: int = DEFAULT_BLOCK_SIZE  # the worker's: the service takes it from WorkerReady
-    eager_rotation: bool = True
-    reserve_full_prompt: bool = True  # admit only with room for every known token (see above)
+    eager_rotation: bool = _flag(
+        True,
+        "lvf: mirror running requests' synced KV blocks to DRAM ahead of preemption, so that a "
+        "preemption copies little (default %(default)s)",
+    )
+    reserve_full_prompt: bool = _flag(
+        True,
+        "admit a paused request only with HBM room for all its known tokens, not just the chunk it "
+        "computes first (default %(default)s)",
+    )
     # lvf's guards against a carousel of rotations (lvf.py): a paused request that has emitted
     # tokens displaces only requests that have run `min_residency_s`, and one it cannot place
     # does not hold back the requests behind it (`rotary_yields`).
@@ -64,7 +73,11 @@ class SchedulerConfig:
         "lvf: a paused request that has emitted tokens preempts only requests that have run this "
         "long since put on the GPU, in seconds (default %(default)s)",
     )
-    rotary_yields: bool = True
+    rotary_yields: bool = _flag(
+        True,
+        "lvf: a paused request that has emitted tokens and cannot be placed does not hold back the "
+        "requests behind it (default %(default)s)",
+    )
 
     @classmethod
     def flag_fields(cls) -> list[Field]:
