@@ -41,10 +41,12 @@ RESET_STEP = -1  # the reset plan's step id: one before any scheduler's first
 class StepExecutor:
     """One Plan → one StepResult, in plan order on one step thread.
 
-    Compute waits only for the swap-ins it reads. The out-direction copies (swap-outs and
-    eager mirrors) start with their step, overlap its compute, and finish before the step
-    is reported. The next plan's swap-ins start while this step computes (`prefetch`,
-    called from the socket loop when that plan arrives) unless they target a block this
+    Compute waits only for the swap-ins it reads: on CUDA the compute stream waits for their
+    event, the host does not. The out-direction copies (swap-outs and eager mirrors) are
+    queued with their step, before its compute: they wait for the previous step's compute
+    (which wrote their blocks), overlap this one's, and finish before the step is reported.
+    The next plan's swap-ins start while this step computes (`prefetch`, called from the
+    socket loop when that plan arrives), beside the compute, unless they target a block this
     step's compute reads or writes; then they start with their own step (the block reuse
     rule, services/scheduler/core/blocks.py, part 3)."""
 
@@ -64,7 +66,9 @@ class StepExecutor:
                 return  # the previous step is not computing yet; copy in order later
             if any(h in self._computing_blocks for _, h in plan.swap_in):
                 return
-            self._prefetched[plan.step_id] = (self.engine.submit(plan.swap_in), time.perf_counter())
+            # Not after the compute in flight: it touches none of these blocks.
+            transfer = self.engine.submit(plan.swap_in, after_compute=False)
+            self._prefetched[plan.step_id] = (transfer, time.perf_counter())
 
     def try_prefetch(self, plan: p.Plan, log) -> None:
         """`prefetch` from the socket loop: a refusal there is no error (the step submits
@@ -89,22 +93,25 @@ class StepExecutor:
             out = self.engine.submit((), plan.swap_out, plan.eager)
             self._computing_step = plan.step_id
             self._computing_blocks = self.runner.blocks_touched(plan.scheduled)
-        t_wait = time.perf_counter()
-        swap_in.wait_in()
         t1 = time.perf_counter()
+        stalled = swap_in.fence_in()
         ids, tokens = self.runner.execute(plan.scheduled)
         t2 = time.perf_counter()
         out.wait_out()
         t3 = time.perf_counter()
+        # The compute waited `wait_s` for the swap-ins: on the host (CPU) or on the device
+        # (CUDA, inside t2 - t1 either way).
+        wait_s = stalled() if plan.swap_in else 0.0
+        compute_s = max(0.0, (t2 - t1) - wait_s)
         moved = plan.swap_in or plan.swap_out or plan.eager
         return p.StepResult(
             plan.step_id,
             ids,
             tokens,
             p.StepTimings(
-                transfer_s=(t3 - started) - (t2 - t1) if moved else 0.0,
-                compute_s=t2 - t1,
-                transfer_wait_s=t1 - t_wait if plan.swap_in else 0.0,
+                transfer_s=(t3 - started) - compute_s if moved else 0.0,
+                compute_s=compute_s,
+                transfer_wait_s=wait_s,
                 plan_wait_s=plan_wait_s,
             ),
         )
