@@ -208,13 +208,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`--dtype`: auto is bfloat16 on CUDA (a 32B model's weights and KV fit), float32 on CPU
+    (its fast kernels are float32)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
 def build_worker(
     args: argparse.Namespace, device: torch.device, group: TPGroup | None = None
 ) -> tuple[ModelRunner, TransferEngine, p.WorkerReady]:
     """Model, both KV pools, transfer engine and runner of one rank (the only one without
     `group`). Pool sizes are agreed over the group, so a block id means the same everywhere."""
     path = resolve_model_path(args.model)
-    model, cfg = load_model(path, device, group=group)
+    model, cfg = load_model(path, device, resolve_dtype(args.dtype, device), group=group)
     spec = KVSpec.from_model(cfg, args.block_size, dtype=next(model.parameters()).dtype)
     num_ranks = 1 if group is None else group.num_ranks
     # Ranks on one host share its RAM: size host pools by the whole KV (all ranks' heads).
