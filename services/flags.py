@@ -89,6 +89,12 @@ def worker_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker (model + DuplexKV)")
     g.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     g.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="weights and KV cache: auto is bfloat16 on CUDA, float32 on CPU (default %(default)s)",
+    )
+    g.add_argument(
         "--hbm-blocks",
         type=int,
         default=None,

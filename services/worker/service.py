@@ -41,10 +41,12 @@ RESET_STEP = -1  # the reset plan's step id: one before any scheduler's first
 class StepExecutor:
     """One Plan → one StepResult, in plan order on one step thread.
 
-    Compute waits only for the swap-ins it reads. The out-direction copies (swap-outs and
-    eager mirrors) start with their step, overlap its compute, and finish before the step
-    is reported. The next plan's swap-ins start while this step computes (`prefetch`,
-    called from the socket loop when that plan arrives) unless they target a block this
+    Compute waits only for the swap-ins it reads: on CUDA the compute stream waits for their
+    event, the host does not. The out-direction copies (swap-outs and eager mirrors) are
+    queued with their step, before its compute: they wait for the previous step's compute
+    (which wrote their blocks), overlap this one's, and finish before the step is reported.
+    The next plan's swap-ins start while this step computes (`prefetch`, called from the
+    socket loop when that plan arrives), beside the compute, unless they target a block this
     step's compute reads or writes; then they start with their own step (the block reuse
     rule, services/scheduler/core/blocks.py, part 3)."""
 
@@ -64,7 +66,9 @@ class StepExecutor:
                 return  # the previous step is not computing yet; copy in order later
             if any(h in self._computing_blocks for _, h in plan.swap_in):
                 return
-            self._prefetched[plan.step_id] = (self.engine.submit(plan.swap_in), time.perf_counter())
+            # Not after the compute in flight: it touches none of these blocks.
+            transfer = self.engine.submit(plan.swap_in, after_compute=False)
+            self._prefetched[plan.step_id] = (transfer, time.perf_counter())
 
     def try_prefetch(self, plan: p.Plan, log) -> None:
         """`prefetch` from the socket loop: a refusal there is no error (the step submits
@@ -89,22 +93,25 @@ class StepExecutor:
             out = self.engine.submit((), plan.swap_out, plan.eager)
             self._computing_step = plan.step_id
             self._computing_blocks = self.runner.blocks_touched(plan.scheduled)
-        t_wait = time.perf_counter()
-        swap_in.wait_in()
         t1 = time.perf_counter()
+        stalled = swap_in.fence_in()
         ids, tokens = self.runner.execute(plan.scheduled)
         t2 = time.perf_counter()
         out.wait_out()
         t3 = time.perf_counter()
+        # The compute waited `wait_s` for the swap-ins: on the host (CPU) or on the device
+        # (CUDA, inside t2 - t1 either way).
+        wait_s = stalled() if plan.swap_in else 0.0
+        compute_s = max(0.0, (t2 - t1) - wait_s)
         moved = plan.swap_in or plan.swap_out or plan.eager
         return p.StepResult(
             plan.step_id,
             ids,
             tokens,
             p.StepTimings(
-                transfer_s=(t3 - started) - (t2 - t1) if moved else 0.0,
-                compute_s=t2 - t1,
-                transfer_wait_s=t1 - t_wait if plan.swap_in else 0.0,
+                transfer_s=(t3 - started) - compute_s if moved else 0.0,
+                compute_s=compute_s,
+                transfer_wait_s=wait_s,
                 plan_wait_s=plan_wait_s,
             ),
         )
@@ -201,13 +208,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`--dtype`: auto is bfloat16 on CUDA (a 32B model's weights and KV fit), float32 on CPU
+    (its fast kernels are float32)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
 def build_worker(
     args: argparse.Namespace, device: torch.device, group: TPGroup | None = None
 ) -> tuple[ModelRunner, TransferEngine, p.WorkerReady]:
     """Model, both KV pools, transfer engine and runner of one rank (the only one without
     `group`). Pool sizes are agreed over the group, so a block id means the same everywhere."""
     path = resolve_model_path(args.model)
-    model, cfg = load_model(path, device, group=group)
+    model, cfg = load_model(path, device, resolve_dtype(args.dtype, device), group=group)
     spec = KVSpec.from_model(cfg, args.block_size, dtype=next(model.parameters()).dtype)
     num_ranks = 1 if group is None else group.num_ranks
     # Ranks on one host share its RAM: size host pools by the whole KV (all ranks' heads).

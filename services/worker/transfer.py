@@ -4,7 +4,8 @@ One interface for every mode and backend:
 
     t = engine.submit(swap_in=[(dram, hbm), ...], swap_out=[(hbm, dram), ...],
                       eager=[(hbm, dram), ...])
-    t.wait_in()  /  t.fence_in()    # before compute reads swapped-in blocks
+    t.fence_in()                    # before compute reads swapped-in blocks (CUDA: a stream
+                                    # wait, the host goes on; CPU: blocks until they are in)
     t.wait_out() /  t.done()        # before the scheduler reuses blocks read by swap-outs
 
 Swap-ins are the "in" direction (DRAM→HBM); swap-outs and eager mirrors of synced blocks are
@@ -29,12 +30,13 @@ Ordering rules the engine keeps across everything in flight:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from services.worker.copies import DONE, IN, OUT, Done, Pairs, copy_blocks, copy_segments
+from services.worker.copies import DONE, IN, OUT, Done, Pairs, StallProbe, copy_blocks, copy_segments
 from services.worker.kv_pool import KVPools
 
 MODES = ("naive", "merged", "batched", "duplex")
@@ -60,8 +62,11 @@ class FutureDone(Done):
     def ready(self) -> bool:
         return self.future.done()
 
-    def fence(self, stream=None) -> None:
+    def fence(self, stream=None) -> StallProbe:
+        t0 = time.perf_counter()
         self.wait()  # CPU compute runs on the host: blocking is the only fence
+        stalled = time.perf_counter() - t0
+        return lambda: stalled
 
 
 class Transfer:
@@ -103,13 +108,14 @@ class Transfer:
     def out_event(self):
         return self._out.event
 
-    def fence_in(self, stream=None) -> None:
+    def fence_in(self, stream=None) -> StallProbe:
         """Make work queued later on `stream` (CUDA; default: current) wait for the swap-ins
-        without blocking the host. On CPU this blocks until they are done."""
-        self._in.fence(stream)
+        without blocking the host. On CPU this blocks until they are done. Returns a probe
+        of how long that work waited (read it after the work)."""
+        return self._in.fence(stream)
 
-    def fence_out(self, stream=None) -> None:
-        self._out.fence(stream)
+    def fence_out(self, stream=None) -> StallProbe:
+        return self._out.fence(stream)
 
 
 # ---------------------------------------------------------------- validation and ordering
@@ -222,15 +228,18 @@ class TransferEngine:
     """Submits each step's block copies to a backend and keeps the ordering rules above.
     One thread submits (the worker loop); completions may be awaited from any thread."""
 
-    def __init__(self, pools: KVPools, mode: str = DEFAULT_MODE, copy_impl: str = "auto"):
+    def __init__(self, pools: KVPools, mode: str = DEFAULT_MODE, copy_impl: str = "auto", cuda=None):
+        """`cuda`: the torch.cuda-like module the CUDA backend takes streams and events from
+        (default torch.cuda when the pools are on a CUDA device); given with host pools, the
+        CUDA backend's ordering runs over them, as the CPU tests of that ordering do."""
         if mode not in MODES:
             raise ValueError(f"unknown transfer mode {mode!r}; one of {', '.join(MODES)}")
         self.pools = pools
         self.mode = mode
-        if pools.is_cuda:
+        if pools.is_cuda or cuda is not None:
             from services.worker.transfer_cuda import CudaBackend
 
-            self._backend = CudaBackend(pools, mode, copy_impl)
+            self._backend = CudaBackend(pools, mode, copy_impl, cuda or torch.cuda)
         elif copy_impl in ("auto", "index"):
             self._backend = CpuBackend(pools, mode)
         else:
@@ -249,8 +258,10 @@ class TransferEngine:
     ) -> Transfer:
         """Start one step's copies: swap_in (dram, hbm), swap_out and eager (hbm, dram).
 
-        `after_compute` (CUDA): the copies wait for work already queued on the current
-        stream, which may still write blocks being swapped out or read blocks being reused.
+        `after_compute` (CUDA): the copies wait, on the device, for the compute queued so far
+        on the current stream, which may still write blocks being swapped out or read blocks
+        being reused. Without it they start at once, beside that compute: for swap-ins whose
+        blocks the compute in flight does not touch (a later step's, prefetched).
         """
         if self._closed:
             raise RuntimeError("transfer engine is closed")

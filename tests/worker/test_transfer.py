@@ -13,6 +13,7 @@ import torch
 from services.worker import kv_pool
 from services.worker.kv_pool import MODEL_KV_SPECS, KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
 from services.worker.transfer import MODES, BlockConflict, FutureDone, Transfer, TransferEngine, dependencies
+from services.worker.transfer_cuda import MemcpyBatch, cudart_candidates
 
 NO_CUDA = "no CUDA device here: the CUDA backend runs in bench/gpu_check.sh on a GPU machine"
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
@@ -112,17 +113,28 @@ def test_sizing_from_flags():
 
 @cuda_only
 @pytest.mark.gpu
-def test_large_dram_pool_is_registered_with_the_cuda_runtime(monkeypatch):
+@pytest.mark.parametrize("copy_impl", ["auto", "per_block", "memcpy_batch", "cupy"])
+def test_large_dram_pool_is_registered_with_the_cuda_runtime(monkeypatch, copy_impl):
+    """Registered (not allocated-pinned) host memory: the cupy kernel reaches it through
+    its mapped device address, the copy engines through its host address."""
     monkeypatch.setattr(kv_pool, "PIN_DIRECT_MAX_BYTES", 1024)
     pools = make_pools(SMALL, 8, 16, "cuda")  # 4 KiB of DRAM: over the patched limit
     assert pools._registered and pools.dram.is_pinned()
-    engine = TransferEngine(pools)
-    before = pools.dram.clone()
-    t = engine.submit(swap_in=[(3, 0), (9, 5)], swap_out=[(1, 2)])
+    engine = make_engine(pools, "duplex", copy_impl)
+    before_dram, before_hbm = pools.dram.clone(), pools.hbm.clone()
+    t = engine.submit(swap_in=[(3, 0), (9, 5)], swap_out=[(1, 2), (4, 12)])
     t.wait()
-    expect_copies(before, pools.hbm, [(3, 0), (9, 5)])
+    expect_copies(before_dram, pools.hbm, [(3, 0), (9, 5)])
+    expect_copies(before_hbm, pools.dram, [(1, 2), (4, 12)])
     engine.close()
     pools.close()
+
+
+def test_every_cuda_runtime_candidate_is_tried():
+    """A library without cudaMemcpyBatchAsync (or missing) does not end the search."""
+    assert MemcpyBatch.load(["libc.so.6", "libsuperinfer-missing.so"]) is None
+    names = cudart_candidates()
+    assert len(names) == len(set(names)) and names[-3:] == ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
 
 
 # ---------------------------------------------------------------- each mode's copies
