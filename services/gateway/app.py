@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -47,11 +48,30 @@ class GatewayState:
     tokenizer: ModelTokenizer
     config: ModelConfig
     api_key: str | None = None
+    served_model_names: list[str] = field(default_factory=list)  # --served-model-name
+    seed: int | None = None  # --seed
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     started: int = field(default_factory=lambda: int(time.time()))
 
+    def __post_init__(self) -> None:
+        self._seeds = None if self.seed is None else random.Random(self.seed)
+
+    def names(self) -> list[str]:
+        """The names /v1/models lists, the first one the default in responses."""
+        return self.served_model_names or [self.config.name]
+
     def served_names(self) -> set[str]:
+        """The names a request may give. With --served-model-name only those (as vLLM does);
+        without, the model's own name and the workers'."""
+        if self.served_model_names:
+            return set(self.served_model_names)
         return {self.config.name} | {s.model_name for s in self.client.live_stats()}
+
+    def default_seed(self) -> int | None:
+        """The seed of a request that gives none: None (the worker draws one at random), or
+        with --seed the next of a generator seeded with it, so that the same requests in
+        the same order sample the same tokens on a restarted server."""
+        return None if self._seeds is None else self._seeds.getrandbits(63)
 
     def max_model_len(self, scheduler_max: int | None) -> int:
         return self.config.max_position if scheduler_max is None else min(self.config.max_position, scheduler_max)
@@ -108,7 +128,8 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     # meanwhile is out of the choice, never handed a request it can no longer answer.
     link = state.client.pick()
     max_len = state.max_model_len(link.stats.max_model_len)
-    prep = params.prepare(req, prompt_ids, max_len, state.tokenizer.stop_token_ids)
+    default_seed = state.default_seed() if req.seed is None else None
+    prep = params.prepare(req, prompt_ids, max_len, state.tokenizer.stop_token_ids, default_seed)
     add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)
     text = TextStream(state.tokenizer.decode, prep.stop, prompt_ids)
     fmt = ep.format(request_id, model)
@@ -142,8 +163,8 @@ def _finished(state: GatewayState, timing: Timing, num_prompt: int) -> None:
 
 def _check_model(name: str | None, state: GatewayState) -> str:
     if name is None or name in state.served_names():
-        return name or state.config.name
-    message = f"model {name!r} does not exist (served: {state.config.name})"
+        return name or state.names()[0]
+    message = f"model {name!r} does not exist (served: {', '.join(state.names())})"
     raise ApiError(404, message, param="model", code="model_not_found")
 
 
@@ -162,8 +183,8 @@ async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     lens = [s.max_model_len for s in state.client.live_stats()]
     max_len = state.max_model_len(min(lens, default=None))
-    card = ModelCard(id=state.config.name, created=state.started, max_model_len=max_len)
-    return _json(ModelList(data=[card]))
+    cards = [ModelCard(id=name, created=state.started, max_model_len=max_len) for name in state.names()]
+    return _json(ModelList(data=cards))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -232,7 +253,7 @@ async def bearer_auth(request: web.Request, handler) -> web.StreamResponse:
 def build_app(state: GatewayState) -> web.Application:
     app = web.Application(middlewares=[errors_and_metrics, bearer_auth], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
-    app[OPENAPI] = encode_json(openapi_document(state.config.name))
+    app[OPENAPI] = encode_json(openapi_document(state.names()[0]))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
