@@ -45,8 +45,8 @@ def gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1/*; better set ${config.API_KEY_ENV} (or "
-        f"${config.VLLM_API_KEY_ENV}): a command line is visible to every local user",
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize; better set "
+        f"${config.API_KEY_ENV} (or ${config.VLLM_API_KEY_ENV}): a command line is visible to every local user",
     )
     g.add_argument(
         "--served-model-name",

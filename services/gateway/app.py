@@ -1,6 +1,7 @@
 """The HTTP application: routes, authentication, and one error shape for everything.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /tokenize              POST /detokenize       (vLLM's, tokens.py)
     GET  /health                GET  /metrics          GET /openapi.json
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import structlog
 from aiohttp import web
 
-from services.gateway import params
+from services.gateway import params, tokens
 from services.gateway.api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -179,12 +180,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
 # ---------------------------------------------------------------- information
 
 
+def _served_max_model_len(state: GatewayState) -> int:
+    """The context window every live scheduler can serve."""
+    return state.max_model_len(min((s.max_model_len for s in state.client.live_stats()), default=None))
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    lens = [s.max_model_len for s in state.client.live_stats()]
-    max_len = state.max_model_len(min(lens, default=None))
+    max_len = _served_max_model_len(state)
     cards = [ModelCard(id=name, created=state.started, max_model_len=max_len) for name in state.names()]
     return _json(ModelList(data=cards))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = tokens.decode(await read_body(request), tokens.TokenizeRequest)
+    _check_model(req.model, state)
+    max_len = _served_max_model_len(state)
+    return _json(await asyncio.to_thread(tokens.tokenize, req, state.tokenizer, max_len))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = tokens.decode(await read_body(request), tokens.DetokenizeRequest)
+    _check_model(req.model, state)
+    return _json(await asyncio.to_thread(tokens.detokenize, req, state.tokenizer))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -243,7 +263,7 @@ async def errors_and_metrics(request: web.Request, handler) -> web.StreamRespons
 @web.middleware
 async def bearer_auth(request: web.Request, handler) -> web.StreamResponse:
     key = request.app[STATE].api_key
-    if key is not None and request.path.startswith("/v1/"):
+    if key is not None and (request.path.startswith("/v1/") or request.path in ("/tokenize", "/detokenize")):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise ApiError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
@@ -257,6 +277,8 @@ def build_app(state: GatewayState) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

@@ -70,8 +70,8 @@ def _same(value: Any, default: Any) -> bool:
     return type(value) is type(default) and value == default
 
 
-def is_no_op(name: str, value: Any) -> bool:
-    return value is None or any(_same(value, d) for d in NO_OP[name])
+def is_no_op(name: str, value: Any, table: dict[str, tuple] = NO_OP) -> bool:
+    return value is None or any(_same(value, d) for d in table.get(name, ()))
 
 
 def refused_fields(struct_type: type) -> tuple[str, ...]:
@@ -79,10 +79,11 @@ def refused_fields(struct_type: type) -> tuple[str, ...]:
     return tuple(f for f in struct_type.__struct_fields__ if f in NO_OP)
 
 
-def refusal(req, fields: tuple[str, ...]) -> ApiError | None:
-    """A 400 naming the first of `fields` that asks for something we do not implement."""
+def refusal(req, fields: tuple[str, ...], table: dict[str, tuple] = NO_OP) -> ApiError | None:
+    """A 400 naming the first of `fields` that asks for something we do not implement
+    (`table`: each field's no-op values besides null)."""
     for name in fields:
         value = getattr(req, name)
-        if not is_no_op(name, value):
+        if not is_no_op(name, value, table):
             return bad_request(f"{name} is not supported by this server", param=name, code="unsupported_parameter")
     return None

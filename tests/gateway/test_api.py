@@ -170,3 +170,4 @@ def test_openapi_document_is_generated_from_the_structs():
     assert temperature["maximum"] == 2.0 and temperature["minimum"] == 0.0
     assert "prompt" in schemas["CompletionRequest"]["required"]
     assert set(doc["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+    assert {"/tokenize", "/detokenize"} <= set(doc["paths"]) and "TokenizeRequest" in schemas
