@@ -7,7 +7,7 @@ context window is checked in params.py, the body size in app.py. The same types 
 the OpenAPI document. Every field OpenAI documents is either honoured, refused when it asks for
 something we do not implement (unsupported.py: a 400 naming it), or one that asks nothing of
 the output (`user`, `metadata`, `safety_identifier`, the prompt-cache hints), accepted; a field
-nobody documents is ignored. Extensions beyond OpenAI: `top_k`, `ignore_eos`, `slo` (per-request latency targets in
+nobody documents is ignored. Extensions beyond OpenAI: `top_k`, `ignore_eos`, `stop_token_ids` (vLLM's), `slo` (per-request latency targets in
 milliseconds) and `superinfer` (what to report beyond OpenAI's response).
 """
 
@@ -99,6 +99,7 @@ class _Sampling(Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None  # vLLM's
     slo: SLOSpec | None = None
     superinfer: Extensions | None = None
     # Accepted: they ask nothing of the output.
@@ -117,7 +118,6 @@ class _Sampling(Struct, kw_only=True):
     repetition_penalty: Refused = None
     min_p: Refused = None
     min_tokens: Refused = None
-    stop_token_ids: Refused = None
     include_stop_str_in_output: Refused = None
     skip_special_tokens: Refused = None
     prompt_logprobs: Refused = None

@@ -123,6 +123,7 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     body = await read_body(request)
     req = decode_request(body, ep.request_type)
     model = _check_model(req.model, state)
+    stop_ids = params.stop_token_ids(req, state.tokenizer.stop_token_ids, state.tokenizer.vocab_size)
     # Off the event loop: a long prompt takes a while, and every stream's next token waits on the loop.
     prompt_ids = await asyncio.to_thread(ep.prompt_ids, req, state.tokenizer)
     # Picked after that await, and nothing awaits from here to submit(): a scheduler lost
@@ -130,7 +131,7 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     link = state.client.pick()
     max_len = state.max_model_len(link.stats.max_model_len)
     default_seed = state.default_seed() if req.seed is None else None
-    prep = params.prepare(req, prompt_ids, max_len, state.tokenizer.stop_token_ids, default_seed)
+    prep = params.prepare(req, prompt_ids, max_len, stop_ids, default_seed)
     add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)
     text = TextStream(state.tokenizer.decode, prep.stop, prompt_ids)
     fmt = ep.format(request_id, model)

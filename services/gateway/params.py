@@ -129,6 +129,18 @@ def stop_strings(req: Request) -> list[str]:
     return [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
 
 
+def stop_token_ids(req: Request, model_stop_ids: list[int], vocab_size: int) -> list[int]:
+    """The model's stop tokens (EOS, end of turn) and the request's `stop_token_ids`."""
+    asked = req.stop_token_ids or []
+    bad = next((i for i, t in enumerate(asked) if t >= vocab_size), None)
+    if bad is not None:
+        message = f"token id {asked[bad]} is outside the vocabulary (0..{vocab_size - 1})"
+        raise bad_request(message, param=f"stop_token_ids[{bad}]")
+    if asked and req.ignore_eos:  # the scheduler ignores every stop token then, not only EOS
+        raise bad_request("stop_token_ids cannot be combined with ignore_eos", param="stop_token_ids")
+    return list(dict.fromkeys([*model_stop_ids, *asked]))
+
+
 def prepare(
     req: Request,
     prompt_ids: list[int],

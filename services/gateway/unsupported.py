@@ -47,7 +47,6 @@ NO_OP: dict[str, tuple] = {
     "repetition_penalty": (1,),
     "min_p": (0,),
     "min_tokens": (0,),
-    "stop_token_ids": ([],),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "prompt_logprobs": (),

@@ -76,7 +76,6 @@ VLLM_REFUSED = {
     "repetition_penalty": (1.2, [1, 1.0]),
     "min_p": (0.1, [0]),
     "min_tokens": (3, [0]),
-    "stop_token_ids": ([2], [[]]),
     "include_stop_str_in_output": (True, [False]),
     "skip_special_tokens": (False, [True]),
     "prompt_logprobs": (1, []),
@@ -136,6 +135,17 @@ def test_a_field_not_implemented_is_400_naming_it(lone_gateway, path, field):
     for value in [None, *no_ops]:
         status, body = post(lone_gateway, path, **{field: value})
         assert status == 503, (field, value, body)
+
+
+@pytest.mark.parametrize("path", SPEC)
+def test_vllm_extensions_we_implement_pass_validation(lone_gateway, path):
+    for fields in ({"stop_token_ids": [2, 5]}, {"top_k": 3}, {"ignore_eos": True}):
+        status, body = post(lone_gateway, path, **fields)
+        assert status == 503, (fields, body)
+    status, body = post(lone_gateway, path, stop_token_ids=[49152])
+    assert status == 400 and body["error"]["param"] == "stop_token_ids[0]"
+    status, body = post(lone_gateway, path, stop_token_ids=[2], ignore_eos=True)
+    assert status == 400 and body["error"]["param"] == "stop_token_ids"
 
 
 def test_completion_logprobs_zero_asks_for_the_sampled_tokens():

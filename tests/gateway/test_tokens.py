@@ -10,7 +10,7 @@ import pytest
 from shared.modelfile import read_model_config
 
 from .conftest import AUTH
-from .test_http import raw
+from .test_http import raw, sync_client
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colors."}]
 
@@ -79,3 +79,26 @@ def test_counts_agree_with_what_generation_counts(server):
     assert json.loads(data)["usage"]["prompt_tokens"] == body["count"]
     status, _, data = raw(server, "GET", "/v1/models")
     assert body["max_model_len"] == json.loads(data)["data"][0]["max_model_len"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_ids_end_the_output_at_that_token(server, tokenizer, stream):
+    """Greedy output, then the same request told to stop at its third token: it ends there,
+    "stop", the token counted and its text left out (vLLM's rule)."""
+    client = sync_client(server)
+    ask = dict(model=server.model, prompt="The capital of France is", max_tokens=8, temperature=0)
+    full = client.completions.create(**ask, extra_body={"ignore_eos": True}).choices[0].text
+    ids = tokenizer.encode(full, add_special_tokens=False)
+    assert len(ids) >= 4 and tokenizer.decode(ids) == full
+    stop_at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # its first occurrence
+    extra = {"stop_token_ids": [ids[stop_at]]}
+    if stream:
+        chunks = list(client.completions.create(**ask, stream=True, extra_body=extra))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        r = client.completions.create(**ask, extra_body=extra)
+        text, finish = r.choices[0].text, [r.choices[0].finish_reason]
+        assert r.usage.completion_tokens == stop_at + 1
+    assert finish == ["stop"]
+    assert text == tokenizer.decode(ids[:stop_at])
