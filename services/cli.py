@@ -101,7 +101,17 @@ def main(argv: list[str] | None = None) -> int:
         from services.gateway.server import run
 
         addrs = args.scheduler or [config.DEFAULT_SCHEDULER_ADDR]
-        return run(args.host, args.port, addrs, args.model, args.api_key, args.zmq_keys, args.failover_grace)
+        return run(
+            args.host,
+            args.port,
+            addrs,
+            args.model,
+            flags.api_key(args),
+            args.zmq_keys,
+            args.failover_grace,
+            served_model_names=args.served_model_name,
+            seed=args.seed,
+        )
     if args.command == "scheduler":
         from services.scheduler.service import run
 

@@ -1,22 +1,32 @@
 """The options of each service, shared by `superinfer` (cli.py) and `superinfer serve`'s
 supervisor, which re-renders them for its children. The scheduler's knobs are generated from
-`SchedulerConfig`'s fields: their defaults and help are written there, once.
+`SchedulerConfig`'s fields: their defaults and help are written there, once. vLLM's names
+are accepted as aliases where the meaning is the same; the first name of an option is ours,
+the one the supervisor passes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from services.scheduler.core import SchedulerConfig
 from shared import config
 
 
+# SchedulerConfig field -> vLLM's flag for the same knob.
+VLLM_NAMES = {"max_batched_tokens": "--max-num-batched-tokens"}
+
+
 def config_flags(g) -> None:
-    """`--field-name` for every flag field of SchedulerConfig, typed and defaulted by the field;
-    a bool field is a switch both ways, `--field-name/--no-field-name`."""
+    """`--field-name` for every flag field of SchedulerConfig, typed and defaulted by the field
+    (a bool as `--field-name`/`--no-field-name`)."""
     for f in SchedulerConfig.flag_fields():
-        kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {"type": type(f.default)}
-        g.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind, **f.metadata)
+        names = ["--" + f.name.replace("_", "-")] + ([VLLM_NAMES[f.name]] if f.name in VLLM_NAMES else [])
+        if isinstance(f.default, bool):
+            g.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default, **f.metadata)
+        else:
+            g.add_argument(*names, type=type(f.default), default=f.default, **f.metadata)
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +42,27 @@ def gateway_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("gateway (HTTP API)")
     g.add_argument("--host", default=config.DEFAULT_HOST, help="address to bind (default %(default)s)")
     g.add_argument("--port", type=int, default=config.DEFAULT_PORT, help="HTTP port (default %(default)s)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize; better set "
+        f"${config.API_KEY_ENV} (or ${config.VLLM_API_KEY_ENV}): a command line is visible to every local user",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's name(s) in /v1/models and responses; requests must name one of them "
+        "(default: the model's own name)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="makes the seeds of requests that give none reproducible: they are drawn in arrival "
+        "order from a generator seeded with this (default: random)",
+    )
     g.add_argument(
         "--failover-grace",
         type=float,
@@ -41,6 +71,11 @@ def gateway_args(p: argparse.ArgumentParser) -> None:
         help="how long a request whose scheduler was lost waits for another one before it fails "
         "(default %(default)s)",
     )
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the environment's (ours, then vLLM's); None when none is set."""
+    return args.api_key or os.environ.get(config.API_KEY_ENV) or os.environ.get(config.VLLM_API_KEY_ENV) or None
 
 
 def scheduler_args(p: argparse.ArgumentParser) -> None:
@@ -101,11 +136,21 @@ def worker_args(p: argparse.ArgumentParser) -> None:
         help="KV blocks in the compute-device pool (default: from --hbm-fraction)",
     )
     g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context window (prompt + output tokens) at most this; no more than the model's "
+        "(default: the model's, or what the KV pool holds if less)",
+    )
+    g.add_argument(
         "--hbm-fraction",
+        "--gpu-memory-utilization",
         type=float,
         default=None,
-        help="share of memory for the KV pool when --hbm-blocks is not given "
-        "(default 0.9 of device memory on GPU, 0.25 of available RAM on CPU)",
+        help="when --hbm-blocks is not given: on GPU, the share of device memory in use once the "
+        "KV pool is allocated, weights included (vLLM's meaning, though memory others hold on the "
+        "device counts too); on CPU, the share of available RAM for the KV pool "
+        "(default 0.9 on GPU, 0.25 on CPU)",
     )
     g.add_argument("--dram-gb", type=float, default=2.0, help="host-memory KV pool size in GiB (default %(default)s)")
     g.add_argument(
@@ -126,6 +171,7 @@ def worker_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--tp",
+        "--tensor-parallel-size",
         type=int,
         default=1,
         help="tensor-parallel ranks (torch.distributed: gloo on CPU, NCCL with one GPU per rank); "

@@ -86,21 +86,39 @@ class HungWatch:
         return self.unready_since is not None and now - self.unready_since > after_s
 
 
+# Options that reach a child through its environment, never on a command line others can read.
+SECRETS = {"api_key": config.API_KEY_ENV, "admin_token": config.ADMIN_TOKEN_ENV}
+
+
 def child_argv(args: argparse.Namespace, add_group) -> list[str]:
-    """Re-render the options that one service understands from the parsed `serve` args."""
+    """Re-render the options that one service understands from the parsed `serve` args, by
+    their first (our own) names; secrets are left out (`child_env`)."""
     probe = argparse.ArgumentParser(add_help=False)
     add_group(probe)
     out: list[str] = []
     for action in probe._actions:
         value = getattr(args, action.dest, None)
-        if value is None or value == action.default:
+        if value is None or value == action.default or action.dest in SECRETS:
             continue
-        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: the one that sets `value`
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
             out.append(action.option_strings[0 if value else 1])
-            continue
-        flag = action.option_strings[0]
-        out += [flag] if action.nargs == 0 else [flag, str(value)]  # nargs 0: a switch (store_true)
+        elif action.nargs == 0:  # a switch (store_true)
+            out.append(action.option_strings[0])
+        elif isinstance(value, list):  # nargs="+"
+            out += [action.option_strings[0], *map(str, value)]
+        else:
+            out += [action.option_strings[0], str(value)]
     return out
+
+
+def child_env(args: argparse.Namespace, add_group) -> dict[str, str] | None:
+    """The child's environment: ours plus the secrets among its options; None (inherit ours)
+    when it has none set."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_group(probe)
+    dests = {a.dest for a in probe._actions}
+    secrets = {env: getattr(args, d) for d, env in SECRETS.items() if d in dests and getattr(args, d, None)}
+    return dict(os.environ, **secrets) if secrets else None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -131,8 +149,7 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
 
-    # The admin token travels in the environment, not on a command line others can read.
-    envs = {"scheduler": dict(os.environ, **{config.ADMIN_TOKEN_ENV: args.admin_token})} if args.admin_token else {}
+    envs = {"scheduler": child_env(args, flags.admin_token_arg), "gateway": child_env(args, flags.gateway_args)}
     watch = HungWatch()
 
     def spawn(name: str) -> subprocess.Popen:

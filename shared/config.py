@@ -21,6 +21,11 @@ DEFAULT_ADMIN_ADDR = "tcp://127.0.0.1:5559"
 ADMIN_ADDR_ENV = "SUPERINFER_ADMIN"
 ADMIN_TOKEN_ENV = "SUPERINFER_ADMIN_TOKEN"
 
+# The gateway's API key, read from the environment (a command line is visible to every local
+# user); vLLM's variable too, so an operator's existing setup carries over.
+API_KEY_ENV = "SUPERINFER_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
+
 # ZeroMQ high-water marks (messages) and linger (ms) on close.
 ZMQ_HWM = 10_000
 ZMQ_LINGER_MS = 500

@@ -4,19 +4,22 @@ A body is decoded once, by `decode_request`, into one of these types, extensions
 that *is* the check of everything the body alone decides: types and ranges (a mismatch
 becomes a 400 naming the field) and n = 1. What needs the tokenizer or the scheduler's
 context window is checked in params.py, the body size in app.py. The same types generate
-the OpenAPI document. Fields OpenAI clients send that we do not use are ignored, not refused.
-Extensions beyond OpenAI: `top_k`, `ignore_eos`, `slo` (per-request latency targets in
+the OpenAPI document. Every field OpenAI documents is either honoured, refused when it asks for
+something we do not implement (unsupported.py: a 400 naming it), or one that asks nothing of
+the output (`user`, `metadata`, `safety_identifier`, the prompt-cache hints), accepted; a field
+nobody documents is ignored. Extensions beyond OpenAI: `top_k`, `ignore_eos`, `stop_token_ids` (vLLM's), `slo` (per-request latency targets in
 milliseconds) and `superinfer` (what to report beyond OpenAI's response).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from services.gateway.errors import bad_request, from_validation
+from services.gateway.unsupported import Refused, refusal, refused_fields
 
 # Limits of the types below. OpenAI's: at most 4 stop strings.
 MAX_STOP_STRINGS = 4
@@ -95,10 +98,34 @@ class _Sampling(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None  # vLLM's
     slo: SLOSpec | None = None
     superinfer: Extensions | None = None
+    # Accepted: they ask nothing of the output.
+    user: str | None = None
+    metadata: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    # Refused unless they ask for nothing (unsupported.py).
+    frequency_penalty: Refused = None
+    presence_penalty: Refused = None
+    logit_bias: Refused = None
+    logprobs: Refused = None
+    echo: Refused = None
+    repetition_penalty: Refused = None
+    min_p: Refused = None
+    min_tokens: Refused = None
+    include_stop_str_in_output: Refused = None
+    skip_special_tokens: Refused = None
+    prompt_logprobs: Refused = None
+    guided_json: Refused = None
+    guided_regex: Refused = None
+    guided_choice: Refused = None
+    guided_grammar: Refused = None
+    structured_outputs: Refused = None
 
     @property
     def wants_attribution(self) -> bool:
@@ -108,11 +135,29 @@ class _Sampling(Struct, kw_only=True):
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    top_logprobs: Refused = None
+    response_format: Refused = None
+    tools: Refused = None
+    tool_choice: Refused = None
+    functions: Refused = None
+    function_call: Refused = None
+    parallel_tool_calls: bool | None = None  # no effect: tools are refused
+    audio: Refused = None
+    modalities: Refused = None
+    prediction: Refused = None
+    reasoning_effort: Refused = None
+    verbosity: Refused = None
+    web_search_options: Refused = None
+    moderation: Refused = None
+    store: Refused = None
+    service_tier: Refused = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     # A string, a list holding one string, or token ids (also as a list of one id list).
     prompt: str | list[str | int | list[int]]
+    best_of: Refused = None
+    suffix: Refused = None
 
 
 # ---------------------------------------------------------------- responses
@@ -209,6 +254,7 @@ class ModelList(Struct):
 # ---------------------------------------------------------------- codec
 
 _decoders = {t: msgspec.json.Decoder(t, dec_hook=_extensions) for t in (ChatCompletionRequest, CompletionRequest)}
+_refused = {t: refused_fields(t) for t in _decoders}
 encode_json = msgspec.json.Encoder().encode
 
 
@@ -221,4 +267,6 @@ def decode_request(body: bytes, type: type[T]) -> T:
         raise from_validation(e) from None
     if req.n != 1:
         raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
+    if (e := refusal(req, _refused[type])) is not None:
+        raise e
     return req

@@ -1,6 +1,7 @@
 """The HTTP application: routes, authentication, and one error shape for everything.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /tokenize              POST /detokenize       (vLLM's, tokens.py)
     GET  /health                GET  /metrics          GET /openapi.json
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 import structlog
 from aiohttp import web
 
-from services.gateway import params
+from services.gateway import params, tokens
 from services.gateway.api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,11 +49,30 @@ class GatewayState:
     tokenizer: ModelTokenizer
     config: ModelConfig
     api_key: str | None = None
+    served_model_names: list[str] = field(default_factory=list)  # --served-model-name
+    seed: int | None = None  # --seed
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     started: int = field(default_factory=lambda: int(time.time()))
 
+    def __post_init__(self) -> None:
+        self._seeds = None if self.seed is None else random.Random(self.seed)
+
+    def names(self) -> list[str]:
+        """The names /v1/models lists, the first one the default in responses."""
+        return self.served_model_names or [self.config.name]
+
     def served_names(self) -> set[str]:
+        """The names a request may give. With --served-model-name only those (as vLLM does);
+        without, the model's own name and the workers'."""
+        if self.served_model_names:
+            return set(self.served_model_names)
         return {self.config.name} | {s.model_name for s in self.client.live_stats()}
+
+    def default_seed(self) -> int | None:
+        """The seed of a request that gives none: None (the worker draws one at random), or
+        with --seed the next of a generator seeded with it, so that the same requests in
+        the same order sample the same tokens on a restarted server."""
+        return None if self._seeds is None else self._seeds.getrandbits(63)
 
     def max_model_len(self, scheduler_max: int | None) -> int:
         return self.config.max_position if scheduler_max is None else min(self.config.max_position, scheduler_max)
@@ -102,13 +123,15 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     body = await read_body(request)
     req = decode_request(body, ep.request_type)
     model = _check_model(req.model, state)
+    stop_ids = params.stop_token_ids(req, state.tokenizer.stop_token_ids, state.tokenizer.vocab_size)
     # Off the event loop: a long prompt takes a while, and every stream's next token waits on the loop.
     prompt_ids = await asyncio.to_thread(ep.prompt_ids, req, state.tokenizer)
     # Picked after that await, and nothing awaits from here to submit(): a scheduler lost
     # meanwhile is out of the choice, never handed a request it can no longer answer.
     link = state.client.pick()
     max_len = state.max_model_len(link.stats.max_model_len)
-    prep = params.prepare(req, prompt_ids, max_len, state.tokenizer.stop_token_ids)
+    default_seed = state.default_seed() if req.seed is None else None
+    prep = params.prepare(req, prompt_ids, max_len, stop_ids, default_seed)
     add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)
     text = TextStream(state.tokenizer.decode, prep.stop, prompt_ids)
     fmt = ep.format(request_id, model)
@@ -142,8 +165,8 @@ def _finished(state: GatewayState, timing: Timing, num_prompt: int) -> None:
 
 def _check_model(name: str | None, state: GatewayState) -> str:
     if name is None or name in state.served_names():
-        return name or state.config.name
-    message = f"model {name!r} does not exist (served: {state.config.name})"
+        return name or state.names()[0]
+    message = f"model {name!r} does not exist (served: {', '.join(state.names())})"
     raise ApiError(404, message, param="model", code="model_not_found")
 
 
@@ -158,12 +181,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
 # ---------------------------------------------------------------- information
 
 
+def _served_max_model_len(state: GatewayState) -> int:
+    """The context window every live scheduler can serve."""
+    return state.max_model_len(min((s.max_model_len for s in state.client.live_stats()), default=None))
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    lens = [s.max_model_len for s in state.client.live_stats()]
-    max_len = state.max_model_len(min(lens, default=None))
-    card = ModelCard(id=state.config.name, created=state.started, max_model_len=max_len)
-    return _json(ModelList(data=[card]))
+    max_len = _served_max_model_len(state)
+    cards = [ModelCard(id=name, created=state.started, max_model_len=max_len) for name in state.names()]
+    return _json(ModelList(data=cards))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = tokens.decode(await read_body(request), tokens.TokenizeRequest)
+    _check_model(req.model, state)
+    max_len = _served_max_model_len(state)
+    return _json(await asyncio.to_thread(tokens.tokenize, req, state.tokenizer, max_len))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = tokens.decode(await read_body(request), tokens.DetokenizeRequest)
+    _check_model(req.model, state)
+    return _json(await asyncio.to_thread(tokens.detokenize, req, state.tokenizer))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -222,7 +264,7 @@ async def errors_and_metrics(request: web.Request, handler) -> web.StreamRespons
 @web.middleware
 async def bearer_auth(request: web.Request, handler) -> web.StreamResponse:
     key = request.app[STATE].api_key
-    if key is not None and request.path.startswith("/v1/"):
+    if key is not None and (request.path.startswith("/v1/") or request.path in ("/tokenize", "/detokenize")):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise ApiError(401, "missing or invalid API key", "authentication_error", code="invalid_api_key")
@@ -232,10 +274,12 @@ async def bearer_auth(request: web.Request, handler) -> web.StreamResponse:
 def build_app(state: GatewayState) -> web.Application:
     app = web.Application(middlewares=[errors_and_metrics, bearer_auth], client_max_size=MAX_BODY_BYTES)
     app[STATE] = state
-    app[OPENAPI] = encode_json(openapi_document(state.config.name))
+    app[OPENAPI] = encode_json(openapi_document(state.names()[0]))
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

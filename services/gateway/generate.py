@@ -63,8 +63,10 @@ async def generate(
 
 def _piece(token_ids: list[int], finish_reason: str | None, text: TextStream) -> Piece:
     """A stop string ends the request as "stop" whatever the scheduler said; an abort the
-    gateway did not ask for is an error, not a silent truncation."""
-    delta = text.push(token_ids)
+    gateway did not ask for is an error, not a silent truncation. The scheduler's "stop" is
+    a stop token (EOS, end of turn, `stop_token_ids`), the last one: counted, but its text
+    is not output (as vLLM does; EOS has none anyway)."""
+    delta = text.push(token_ids[:-1] if finish_reason == "stop" else token_ids)
     if text.stopped:
         return Piece(delta, len(token_ids), "stop")
     if finish_reason == "abort":

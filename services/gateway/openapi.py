@@ -15,6 +15,7 @@ from services.gateway.api import (
     ModelList,
 )
 from services.gateway.errors import ErrorResponse
+from services.gateway.tokens import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 
 _REF = "#/components/schemas/{name}"
 _ERRORS = {
@@ -70,6 +71,12 @@ def _get_path(summary: str, schema: dict, media: str = "application/json") -> di
     return {"get": {"summary": summary, "responses": {"200": ok}}}
 
 
+def _post_path(summary: str, request: str, response: str) -> dict:
+    body = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+    ok = {"description": summary, "content": {"application/json": {"schema": _ref(response)}}}
+    return {"post": {"summary": summary, "requestBody": body, "responses": {"200": ok, **_error_responses()}}}
+
+
 def _schema_hook(type: type) -> dict:
     if type is Extensions:
         return Extensions.SCHEMA
@@ -79,6 +86,7 @@ def _schema_hook(type: type) -> dict:
 def openapi_document(model_name: str) -> dict:
     requests = [ChatCompletionRequest, CompletionRequest]
     types = [*requests, ChatCompletion, ChatCompletionChunk, Completion, ModelList, ErrorResponse]
+    types += [TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse]
     _, components = msgspec.json.schema_components(types, schema_hook=_schema_hook, ref_template=_REF)
     health = {"type": "object", "properties": {"status": {"type": "string"}, "schedulers": {"type": "array"}}}
     return {
@@ -94,6 +102,8 @@ def openapi_document(model_name: str) -> dict:
             ),
             "/v1/completions": _generation_path("Text completion", "CompletionRequest", "Completion", "Completion"),
             "/v1/models": _get_path("Served models", _ref("ModelList")),
+            "/tokenize": _post_path("Token ids of a prompt or messages", "TokenizeRequest", "TokenizeResponse"),
+            "/detokenize": _post_path("Text of token ids (vLLM's)", "DetokenizeRequest", "DetokenizeResponse"),
             "/health": _get_path("Scheduler load when ready (503 otherwise)", health),
             "/metrics": _get_path("Prometheus metrics", {"type": "string"}, "text/plain"),
         },

@@ -4,9 +4,10 @@ parameters, SLO, plus the stop strings the gateway itself enforces.
 Everything here is pure and raises `ApiError` (400, naming the `param`) for what the body
 alone cannot decide: content that is not text, token ids outside the vocabulary, an empty
 prompt, and a prompt plus max_tokens beyond the context window (OpenAI's
-`context_length_exceeded`). Decoding (api.py) checked the rest: max_tokens >= 1, at most
-MAX_STOP_STRINGS non-empty stop strings of at most MAX_STOP_CHARS characters, temperature,
-top_p, top_k and seed ranges, at least one message, and n = 1.
+`context_length_exceeded`, in vLLM's words). Decoding (api.py) checked the rest: max_tokens
+>= 1, at most MAX_STOP_STRINGS non-empty stop strings of at most MAX_STOP_CHARS characters,
+temperature, top_p, top_k and seed ranges, at least one message, n = 1, and no field we do
+not implement.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def max_new_tokens(req: Request, num_prompt: int, max_model_len: int) -> int:
     room = max_model_len - num_prompt
     if room <= 0:
         raise bad_request(
-            f"the prompt has {num_prompt} tokens; this model's context window is {max_model_len}",
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{num_prompt} input tokens. Please reduce the length of the input messages.",
             param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             code="context_length_exceeded",
         )
@@ -102,7 +104,8 @@ def max_new_tokens(req: Request, num_prompt: int, max_model_len: int) -> int:
         return room
     if asked > room:
         raise bad_request(
-            f"prompt ({num_prompt} tokens) plus {param} ({asked}) exceeds the context window ({max_model_len})",
+            f"'{param}' is too large: {asked}. This model's maximum context length is {max_model_len} tokens "
+            f"and your request has {num_prompt} input tokens ({asked} > {max_model_len} - {num_prompt}).",
             param=param,
             code="context_length_exceeded",
         )
@@ -126,14 +129,33 @@ def stop_strings(req: Request) -> list[str]:
     return [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else list(req.stop)
 
 
-def prepare(req: Request, prompt_ids: list[int], max_model_len: int, stop_token_ids: list[int]) -> Prepared:
-    """The scheduler's view of a request whose prompt is already tokenized."""
+def stop_token_ids(req: Request, model_stop_ids: list[int], vocab_size: int) -> list[int]:
+    """The model's stop tokens (EOS, end of turn) and the request's `stop_token_ids`."""
+    asked = req.stop_token_ids or []
+    bad = next((i for i, t in enumerate(asked) if t >= vocab_size), None)
+    if bad is not None:
+        message = f"token id {asked[bad]} is outside the vocabulary (0..{vocab_size - 1})"
+        raise bad_request(message, param=f"stop_token_ids[{bad}]")
+    if asked and req.ignore_eos:  # the scheduler ignores every stop token then, not only EOS
+        raise bad_request("stop_token_ids cannot be combined with ignore_eos", param="stop_token_ids")
+    return list(dict.fromkeys([*model_stop_ids, *asked]))
+
+
+def prepare(
+    req: Request,
+    prompt_ids: list[int],
+    max_model_len: int,
+    stop_token_ids: list[int],
+    default_seed: int | None = None,
+) -> Prepared:
+    """The scheduler's view of a request whose prompt is already tokenized; `default_seed`
+    is the seed of a request that gives none (--seed)."""
     params = SamplingParams(
         max_tokens=max_new_tokens(req, len(prompt_ids), max_model_len),
         temperature=temperature(req),
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
-        seed=req.seed,
+        seed=req.seed if req.seed is not None else default_seed,
         stop_token_ids=list(stop_token_ids),
         ignore_eos=req.ignore_eos,
     )

@@ -33,16 +33,17 @@ def run(
     api_key: str | None = None,
     zmq_keys: str | None = None,
     failover_grace_s: float = DEFAULT_FAILOVER_GRACE_S,
+    **options,
 ) -> int:
     """Serve until a signal; 2 at once, before the tokenizer loads, when the scheduler
-    addresses need keys that are missing or unreadable."""
+    addresses need keys that are missing or unreadable. `options`: `serve`'s."""
     setup_logging("gateway")
     if reason := zmqsec.refusal(scheduler_addrs, zmq_keys, zmqsec.CLIENT):
         log.error("refusing to start", service="gateway", reason=reason)
         return 2
     try:
         client = {"zmq_keys": zmq_keys, "failover_grace_s": failover_grace_s}
-        asyncio.run(serve(host, port, scheduler_addrs, model, api_key, client=client))
+        asyncio.run(serve(host, port, scheduler_addrs, model, api_key, client=client, **options))
     finally:
         log.info("gateway_stopped", service="gateway")
     return 0
@@ -56,15 +57,25 @@ async def serve(
     api_key: str | None = None,
     stop: asyncio.Event | None = None,
     client: dict | None = None,
+    served_model_names: list[str] | None = None,
+    seed: int | None = None,
 ) -> None:
     """Serve until `stop` is set (by default: until SIGINT or SIGTERM); `client` holds the
-    `SchedulerClient` options (keys, failover grace)."""
+    `SchedulerClient` options (keys, failover grace). `served_model_names`: the names the
+    model answers to (default: its own); `seed`: see `GatewayState.default_seed`."""
     stop = stop or _stop_on_signals()
     structlog.contextvars.bind_contextvars(service="gateway")
     path = resolve_model_path(model)
     tokenizer = await asyncio.to_thread(load_tokenizer, path)
     config = await asyncio.to_thread(read_model_config, path)
-    state = GatewayState(SchedulerClient(scheduler_addrs, **(client or {})), tokenizer, config, api_key)
+    state = GatewayState(
+        SchedulerClient(scheduler_addrs, **(client or {})),
+        tokenizer,
+        config,
+        api_key,
+        served_model_names=served_model_names or [],
+        seed=seed,
+    )
     runner = web.AppRunner(
         build_app(state), handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S, access_log=None
     )
@@ -73,7 +84,7 @@ async def serve(
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         log.info(
-            "gateway_listening", host=host, port=port, model=state.config.name, schedulers=scheduler_addrs
+            "gateway_listening", host=host, port=port, model=state.names()[0], schedulers=scheduler_addrs
         )
         await stop.wait()
     finally:

@@ -68,8 +68,12 @@ class ModelTokenizer:
         `add_special_tokens` adds the BOS the model expects, when it expects one."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary writes it (byte-level BPE: `Ġ` for a space)."""
+        return [self._tok.id_to_token(i) for i in ids]
 
     @property
     def has_chat_template(self) -> bool:

@@ -32,7 +32,7 @@ from services.worker.tp import TPGroup
 from services.worker.transfer import Transfer, TransferEngine
 from shared import config, protocol as p, zmqsec
 from shared.log import setup_logging
-from shared.modelfile import read_model_config, resolve_model_path
+from shared.modelfile import ModelConfig, read_model_config, resolve_model_path
 
 RESET = object()  # the step thread's marker: a (new) scheduler connected
 RESET_STEP = -1  # the reset plan's step id: one before any scheduler's first
@@ -219,6 +219,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def max_model_len(cfg: ModelConfig, asked: int | None) -> int:
+    """The context window: --max-model-len, which may shorten the model's but not extend it
+    (positions it was not trained on), as vLLM refuses too."""
+    if asked is None:
+        return cfg.max_position
+    if not 1 <= asked <= cfg.max_position:
+        raise ValueError(f"--max-model-len {asked} is outside 1..{cfg.max_position}, the context window of {cfg.name}")
+    return asked
+
+
 def build_worker(
     args: argparse.Namespace, device: torch.device, group: TPGroup | None = None
 ) -> tuple[ModelRunner, TransferEngine, p.WorkerReady]:
@@ -244,7 +254,7 @@ def build_worker(
         num_hbm_blocks=pools.num_hbm_blocks,
         num_dram_blocks=pools.num_dram_blocks,
         block_size=args.block_size,
-        max_model_len=min(cfg.max_position, pools.num_hbm_blocks * args.block_size),
+        max_model_len=min(max_model_len(cfg, args.max_model_len), pools.num_hbm_blocks * args.block_size),
         device=str(device) if group is None else f"{device} x{num_ranks}",
         block_bytes=spec.block_bytes * num_ranks,
         vocab_size=cfg.vocab_size,
@@ -279,6 +289,11 @@ def run(args: argparse.Namespace) -> int:
     log = setup_logging("worker", args.log_level)
     if reason := zmqsec.refusal([args.connect], args.zmq_keys, zmqsec.CLIENT):
         log.error("refusing to start", reason=reason)  # before the model loads: seconds, not minutes
+        return 2
+    try:
+        max_model_len(read_model_config(resolve_model_path(args.model)), args.max_model_len)
+    except ValueError as e:
+        log.error("refusing to start", reason=str(e))
         return 2
     device = resolve_device(args.device)
     num_ranks = args.tp

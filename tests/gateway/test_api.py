@@ -66,9 +66,13 @@ def test_malformed_bodies_are_400(body):
     assert e.status == 400
 
 
-def test_unknown_fields_are_ignored():
-    req = chat(frequency_penalty=0.5, logit_bias={"1": 2}, response_format={"type": "text"})
+def test_unknown_fields_and_no_op_defaults_are_accepted():
+    """Fields nobody documents are ignored; known ones we do not implement pass only with a
+    value that asks for nothing (tests/gateway/test_fields.py walks them all)."""
+    req = chat(vendor_field=0.5, frequency_penalty=0, logit_bias={}, response_format={"type": "text"})
     assert req.messages[0].content == "hi"
+    e = refused(chat, frequency_penalty=0.5)
+    assert e.status == 400 and e.info.param == "frequency_penalty"
 
 
 def test_n_above_one_is_refused_clearly():
@@ -166,3 +170,4 @@ def test_openapi_document_is_generated_from_the_structs():
     assert temperature["maximum"] == 2.0 and temperature["minimum"] == 0.0
     assert "prompt" in schemas["CompletionRequest"]["required"]
     assert set(doc["paths"]) >= {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+    assert {"/tokenize", "/detokenize"} <= set(doc["paths"]) and "TokenizeRequest" in schemas

@@ -1,0 +1,156 @@
+"""Every request field OpenAI documents is honoured, or refused with a 400 naming it: the test
+walks the field lists of the `openai` package's own request types, over HTTP (a gateway with
+no scheduler: a body that passes validation gets 503, one that does not gets 400)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types import completion_create_params as completion_spec
+from openai.types.chat import completion_create_params as chat_spec
+
+from services.gateway.api import ChatCompletionRequest, CompletionRequest, decode_request
+from services.gateway.errors import ApiError
+from services.gateway.unsupported import NO_OP, refused_fields
+
+from .conftest import AUTH
+
+CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
+BASE = {CHAT: {"messages": [{"role": "user", "content": "hi"}]}, COMPLETION: {"prompt": "hi"}}
+
+# Implemented, with a value each that the test sends (it must pass validation).
+HONOURED = {
+    "messages": [{"role": "user", "content": "hi"}],
+    "prompt": "hi",
+    "model": "SmolLM2-135M-Instruct",
+    "max_tokens": 4,
+    "max_completion_tokens": 4,
+    "n": 1,
+    "seed": 7,
+    "stop": ["x"],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "temperature": 0.5,
+    "top_p": 0.9,
+}
+# Accepted because they ask nothing of the output (who is asking, caching hints; tool-call
+# parallelism while tools are refused).
+ACCEPTED = {
+    "user": "u",
+    "metadata": {"k": "v"},
+    "safety_identifier": "s",
+    "prompt_cache_key": "k",
+    "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"ttl": "24h"},
+    "parallel_tool_calls": False,
+}
+# Not implemented: a value that asks for something (refused), and the no-op defaults clients
+# send (accepted; null is accepted for every one of them too).
+REFUSED = {
+    "frequency_penalty": (0.5, [0, 0.0]),
+    "presence_penalty": (-1, [0]),
+    "logit_bias": ({"1": 5}, [{}]),
+    "logprobs": (True, [False]),  # completions' int form is below
+    "top_logprobs": (2, [0]),
+    "echo": (True, [False]),
+    "best_of": (2, [1]),
+    "suffix": ("end", [""]),
+    "response_format": ({"type": "json_object"}, [{"type": "text"}]),
+    "tools": ([{"type": "function", "function": {"name": "f"}}], [[]]),
+    "tool_choice": ("auto", ["none"]),
+    "functions": ([{"name": "f"}], [[]]),
+    "function_call": ("auto", ["none"]),
+    "audio": ({"voice": "alloy", "format": "wav"}, []),
+    "modalities": (["text", "audio"], [["text"]]),
+    "prediction": ({"type": "content", "content": "x"}, []),
+    "reasoning_effort": ("low", []),
+    "verbosity": ("low", []),
+    "web_search_options": ({}, []),
+    "moderation": ({"model": "m"}, []),
+    "store": (True, [False]),
+    "service_tier": ("priority", ["auto", "default"]),
+}
+# vLLM's extensions that change the output, refused the same way.
+VLLM_REFUSED = {
+    "repetition_penalty": (1.2, [1, 1.0]),
+    "min_p": (0.1, [0]),
+    "min_tokens": (3, [0]),
+    "include_stop_str_in_output": (True, [False]),
+    "skip_special_tokens": (False, [True]),
+    "prompt_logprobs": (1, []),
+    "guided_json": ({"type": "object"}, []),
+    "guided_regex": ("a+", []),
+    "guided_choice": (["a"], []),
+    "guided_grammar": ("root ::= 'a'", []),
+    "structured_outputs": ({"json": {}}, []),
+}
+
+
+def spec_fields(module) -> set[str]:
+    return {
+        f
+        for t in (module.CompletionCreateParamsStreaming, module.CompletionCreateParamsNonStreaming)
+        for f in t.__required_keys__ | t.__optional_keys__
+    }
+
+
+SPEC = {CHAT: spec_fields(chat_spec), COMPLETION: spec_fields(completion_spec)}
+REFUSED_CASES = [(path, f) for path in SPEC for f in sorted(SPEC[path]) if f in REFUSED]
+REFUSED_CASES += [(path, f) for path in SPEC for f in VLLM_REFUSED]
+ALL_REFUSED = REFUSED | VLLM_REFUSED
+
+
+def post(gateway, path: str, **fields) -> tuple[int, dict]:
+    status, _, raw = gateway("POST", path, {**BASE[path], **fields}, AUTH)
+    return status, json.loads(raw)
+
+
+@pytest.mark.parametrize("path", SPEC)
+def test_every_spec_field_is_classified(path):
+    unclassified = SPEC[path] - set(HONOURED) - set(ACCEPTED) - set(REFUSED)
+    assert not unclassified, f"fields of the openai package this server neither implements nor refuses: {unclassified}"
+
+
+def test_the_refusal_table_is_what_the_structs_check():
+    checked = set(refused_fields(ChatCompletionRequest)) | set(refused_fields(CompletionRequest))
+    assert checked == set(NO_OP) == set(ALL_REFUSED)
+
+
+@pytest.mark.parametrize("path", SPEC)
+def test_honoured_and_accepted_fields_pass_validation(lone_gateway, path):
+    for field in sorted(SPEC[path] - set(REFUSED)):
+        value = {**HONOURED, **ACCEPTED}[field]
+        status, body = post(lone_gateway, path, **{field: value})
+        assert status == 503, (field, body)  # valid: it got as far as looking for a scheduler
+
+
+@pytest.mark.parametrize("path,field", REFUSED_CASES)
+def test_a_field_not_implemented_is_400_naming_it(lone_gateway, path, field):
+    asked, no_ops = ALL_REFUSED[field]
+    status, body = post(lone_gateway, path, **{field: asked})
+    assert status == 400, body
+    assert body["error"]["param"] == field and body["error"]["code"] == "unsupported_parameter"
+    assert field in body["error"]["message"]
+    for value in [None, *no_ops]:
+        status, body = post(lone_gateway, path, **{field: value})
+        assert status == 503, (field, value, body)
+
+
+@pytest.mark.parametrize("path", SPEC)
+def test_vllm_extensions_we_implement_pass_validation(lone_gateway, path):
+    for fields in ({"stop_token_ids": [2, 5]}, {"top_k": 3}, {"ignore_eos": True}):
+        status, body = post(lone_gateway, path, **fields)
+        assert status == 503, (fields, body)
+    status, body = post(lone_gateway, path, stop_token_ids=[49152])
+    assert status == 400 and body["error"]["param"] == "stop_token_ids[0]"
+    status, body = post(lone_gateway, path, stop_token_ids=[2], ignore_eos=True)
+    assert status == 400 and body["error"]["param"] == "stop_token_ids"
+
+
+def test_completion_logprobs_zero_asks_for_the_sampled_tokens():
+    """In completions `logprobs` is a count and 0 still asks for the sampled token's logprob."""
+    with pytest.raises(ApiError) as e:
+        decode_request(b'{"prompt": "hi", "logprobs": 0}', CompletionRequest)
+    assert e.value.info.param == "logprobs"
+    decode_request(b'{"prompt": "hi", "logprobs": null}', CompletionRequest)
