@@ -45,6 +45,7 @@ class CpuKernels:
         self._add_rms_norm = _bind(lib.add_rms_norm_f32, [_ptr, _ptr, _ptr, f, _ptr, _i64, _i64, c_int])
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
+        self._copy_blocks = _bind(lib.copy_blocks, [_ptr, _ptr, _i64, _ptr, _ptr, _i64])
         limits = [_i64() for _ in range(3)]
         lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
         self.max_group, self.max_head_dim, self.max_block_size = (x.value for x in limits)
@@ -107,6 +108,17 @@ class CpuKernels:
         out = gate_up.new_empty((num_rows, width // 2))
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, _threads())
         return out
+
+
+    # ------------------------------------------------------------ KV copies
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> None:
+        """dst[d] = src[s] for each pair, whole blocks of two contiguous pools of one block
+        shape, on the calling thread alone (any dtype); the GIL is released meanwhile."""
+        num = len(src_ids)
+        ids = (_i64 * (2 * num))(*src_ids, *dst_ids)
+        block_bytes = src[0].numel() * src.element_size()
+        self._copy_blocks(src.data_ptr(), dst.data_ptr(), block_bytes, ids, ctypes.addressof(ids) + 8 * num, num)
 
 
 def _bind(fn, argtypes: list) -> Callable:

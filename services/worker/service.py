@@ -1,7 +1,8 @@
 """The worker service: executes the scheduler's Plans in order and reports sampled tokens.
 
 It owns the weights, both KV pools and the transfer engine, and decides nothing. The
-socket loop stays responsive while a step computes: the step runs on one executor thread.
+socket loop stays responsive while a step computes: steps run on the main thread (the one
+that loaded the model), the sockets on an event loop in an `io` thread.
 
 Every connection to a scheduler starts from nothing: when a handshake succeeds (the first
 one, or a restarted scheduler's), the worker finishes the plans it already has, drops
@@ -133,25 +134,41 @@ class WorkerService:
         self.sock.connect(connect)
         self.stopping = False
 
-    async def run(self) -> None:
+    def run(self) -> None:
+        """Compute on this thread, sockets on an event loop in an `io` thread, until `stop()`.
+
+        Compute stays on the thread that loaded the model, so the process has one OpenMP team:
+        with a second one libgomp counts more threads than cores and stops spinning between
+        parallel regions, and every region then waits for a wake-up (one-row decode on 2 cores
+        measured 2x slower when its steps ran on another thread than the load)."""
+        plans: queue.SimpleQueue = queue.SimpleQueue()
+        loop = asyncio.new_event_loop()
+        results: asyncio.Queue = asyncio.Queue()
+        io = threading.Thread(target=loop.run_until_complete, args=(self._io(plans, results),), name="io")
+        io.start()
+        try:
+            self._execute_in_order(plans, loop, results, io)
+        finally:
+            self.stop()
+            io.join()
+            loop.close()
+
+    def stop(self) -> None:
+        """Safe from a signal handler: the io loop sees it within its poll interval."""
+        self.stopping = True
+
+    async def _io(self, plans: queue.SimpleQueue, results: asyncio.Queue) -> None:
         """Receive plans as they come (the scheduler sends step t+1 while t computes) and
-        hand them to the step thread, which executes them in order and posts each result
+        hand them to the compute thread, which executes them in order and posts each result
         back to this loop. A successful handshake queues a reset behind the plans already
         received (they came first: a new connection follows the old one's close by the
         reconnect interval)."""
-        loop = asyncio.get_running_loop()
         poller = zmq.asyncio.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.handshakes, zmq.POLLIN)
         self.log.info("worker up", hbm_blocks=self.ready.num_hbm_blocks, device=self.ready.device)
-        plans: queue.SimpleQueue = queue.SimpleQueue()
-        results: asyncio.Queue = asyncio.Queue()
-        step_thread = threading.Thread(
-            target=self._execute_in_order, args=(plans, loop, results), name="step", daemon=True
-        )
-        step_thread.start()
         sender = asyncio.create_task(self._send_results(results))
-        while not self.stopping and step_thread.is_alive():
+        while not self.stopping:
             events = dict(await poller.poll(100))
             if self.sock in events:
                 await self._receive_plans(plans)
@@ -180,10 +197,18 @@ class WorkerService:
             plans.put((plan, time.perf_counter()))
             self.execute.try_prefetch(plan, self.log)
 
-    def _execute_in_order(self, plans: queue.SimpleQueue, loop, results: asyncio.Queue) -> None:
-        """The step thread: one plan after another, no event-loop hop between them."""
+    def _execute_in_order(self, plans: queue.SimpleQueue, loop, results: asyncio.Queue, io: threading.Thread) -> None:
+        """The compute loop: one plan after another, no event-loop hop between them."""
         idle_since = time.perf_counter()
-        while (item := plans.get()) is not None:
+        while True:
+            try:
+                item = plans.get(timeout=0.5)  # wakes now and then, so a signal handler runs
+            except queue.Empty:
+                if io.is_alive():
+                    continue
+                return
+            if item is None:
+                return
             plan, arrived = item
             if plan is RESET:
                 self.execute(self.execute.reset_plan(), 0.0)
@@ -313,15 +338,10 @@ def run(args: argparse.Namespace) -> int:
         if group is not None:
             execute = tp.DriverExecutor(execute, group, ranks)
         service = WorkerService(args.connect, ready, execute, log, args.zmq_keys)
-
-        async def main() -> None:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, lambda: setattr(service, "stopping", True))
-            await service.run()
-
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: service.stop())
         try:
-            asyncio.run(main())
+            service.run()
         finally:
             if group is not None:
                 execute.close()

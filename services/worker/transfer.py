@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from services.worker import cpu_kernels
 from services.worker.copies import DONE, IN, OUT, Done, Pairs, StallProbe, copy_blocks, copy_segments
 from services.worker.kv_pool import KVPools
 
@@ -173,16 +174,21 @@ def _run_start(ids: Sequence[int]) -> int | None:
 
 
 class BatchedCopier:
-    """One call per direction on CPU: an index copy when one side is a run of consecutive
-    blocks, else one `_foreach_copy_` over block views (a single pass, no staging buffer)."""
+    """One call per direction on CPU: the native block copier (cpu_kernels.py: a memcpy per
+    block, no OpenMP team on the transfer thread) where it is built; else an index copy when
+    one side is a run of consecutive blocks, else one `_foreach_copy_` over block views (a
+    single pass, no staging buffer)."""
 
     def __init__(self, pools: KVPools):
         self._rows = {id(p): block_rows(p) for p in (pools.hbm, pools.dram)}
         self._blocks = {k: r.unbind(0) for k, r in self._rows.items()}
+        self._native = cpu_kernels.kernels()
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor, pairs: Pairs, non_blocking: bool = False) -> None:
         src_ids = [s for s, _ in pairs]
         dst_ids = [d for _, d in pairs]
+        if self._native is not None:
+            return self._native.copy_blocks(src, dst, src_ids, dst_ids)
         src_rows, dst_rows = self._rows[id(src)], self._rows[id(dst)]
         if (d0 := _run_start(dst_ids)) is not None:
             # dst_rows[d0 : d0+n] = src_rows[src_ids]: [n, row]

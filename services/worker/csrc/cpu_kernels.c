@@ -151,3 +151,14 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t num_rows, int64_
         for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* ------------------------------------------------------------ KV block copies
+ * One memcpy per block on the calling (transfer) thread: no OpenMP team. Another team beside
+ * the compute thread's would make libgomp count more threads than cores and stop spinning,
+ * which makes every parallel region of the forward wait for a futex wake-up. */
+
+void copy_blocks(const char *src, char *dst, int64_t block_bytes, const int64_t *src_ids, const int64_t *dst_ids,
+                 int64_t num_pairs) {
+    for (int64_t i = 0; i < num_pairs; i++)
+        memcpy(dst + dst_ids[i] * block_bytes, src + src_ids[i] * block_bytes, (size_t)block_bytes);
+}
