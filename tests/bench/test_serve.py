@@ -69,7 +69,7 @@ def test_rejected_requests_are_counted_with_their_reason(server, tmp_path):
     result = json.loads(out.read_text())
     assert (result["completed"], result["failed"]) == (1, 1)
     [(reason, count)] = result["failures"].items()
-    assert reason.startswith("HTTP 400") and "context window" in reason and count == 1
+    assert reason.startswith("HTTP 400") and "maximum context length" in reason and count == 1
 
 
 def test_unreachable_server_fails_every_request(tmp_path):
