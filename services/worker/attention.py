@@ -209,7 +209,7 @@ def paged_attention(
 
 def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     """All single-token queries: the native CPU kernel where it applies, else `_decode_sdpa`."""
-    native = cpu_kernels.kernels() if q.device.type == "cpu" else None
+    native = cpu_kernels.for_tensor(q)
     if native is not None and native.supports_decode(q, kv_layer):
         return native.decode_attention(q, kv_layer, batch.block_ids, batch.context_lens)
     return _decode_sdpa(q, kv_layer, batch)

@@ -142,6 +142,11 @@ def kernels() -> CpuKernels | None:
         return None
 
 
+def for_tensor(t: torch.Tensor) -> CpuKernels | None:
+    """The kernels when `t` is a float32 CPU tensor and they could be built, else None."""
+    return kernels() if CpuKernels.applies(t) else None
+
+
 def build(name: str) -> Path:
     """Path of the shared library built from csrc/<name>.c for this machine (cached)."""
     source = (SOURCE_DIR / f"{name}.c").read_bytes()

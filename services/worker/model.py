@@ -86,7 +86,7 @@ def rope_cos_sin(
 
 def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, hidden], the residual stream: x += delta in place; returns rms_norm(x) * weight."""
-    native = cpu_kernels.kernels() if cpu_kernels.CpuKernels.applies(x) else None
+    native = cpu_kernels.for_tensor(x)
     if native is not None and x.is_contiguous() and (delta is None or delta.is_contiguous()):
         return native.add_rms_norm_(x, delta, weight, eps)
     if delta is not None:
@@ -96,7 +96,7 @@ def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """x: [T, heads, D] with contiguous heads, rotated in place; cos, sin: [T, D / 2]."""
-    native = cpu_kernels.kernels() if cpu_kernels.CpuKernels.applies(x) else None
+    native = cpu_kernels.for_tensor(x)
     if native is not None and x.stride()[1:] == (x.shape[2], 1) and cos.is_contiguous() and sin.is_contiguous():
         return native.rope_(x, cos, sin)
     half = x.shape[-1] // 2
@@ -107,7 +107,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I], gate columns then up columns -> [T, I] = silu(gate) * up."""
-    native = cpu_kernels.kernels() if cpu_kernels.CpuKernels.applies(gate_up) else None
+    native = cpu_kernels.for_tensor(gate_up)
     if native is not None and gate_up.is_contiguous():
         return native.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
