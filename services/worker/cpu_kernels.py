@@ -46,9 +46,9 @@ class CpuKernels:
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
         self._copy_blocks = _bind(lib.copy_blocks, [_ptr, _ptr, _i64, _ptr, _ptr, _i64])
-        limits = [_i64() for _ in range(3)]
+        limits = [_i64() for _ in range(2)]
         lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
-        self.max_group, self.max_head_dim, self.max_block_size = (x.value for x in limits)
+        self.max_heads, self.max_head_dim = (x.value for x in limits)
 
     @staticmethod
     def applies(t: torch.Tensor) -> bool:
@@ -58,16 +58,15 @@ class CpuKernels:
 
     def supports_decode(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
         """q: [R, H, D]; kv_layer: [N, 2, B, KV, D], a layer's strided view of the pool."""
-        _, _, block_size, num_kv, head_dim = kv_layer.shape
+        _, _, _, num_kv, head_dim = kv_layer.shape
         return (
             self.applies(q)
             and self.applies(kv_layer)
             and q.stride(2) == 1
             and q.stride(1) == head_dim
             and kv_layer.stride()[2:] == (num_kv * head_dim, head_dim, 1)
-            and q.shape[1] // num_kv <= self.max_group
+            and q.shape[1] <= self.max_heads
             and head_dim <= self.max_head_dim
-            and block_size <= self.max_block_size
         )
 
     def decode_attention(

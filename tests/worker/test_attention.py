@@ -100,16 +100,22 @@ def test_cpu_kernel_builds_here():
 
 
 @pytest.mark.parametrize(
-    "block_size, num_kv, group, head_dim",
-    [(16, 3, 3, 64), (32, 1, 8, 128), (4, 2, 1, 8), (64, 8, 5, 128)],  # SmolLM2, MQA, MHA, Qwen2.5-32B
+    "block_size, num_kv, group, head_dim, context",
+    [
+        (16, 3, 3, 64, [1, 16, 17, 77]),  # SmolLM2
+        (32, 1, 8, 128, [1, 32, 33, 157]),  # MQA
+        (4, 2, 1, 8, [1, 4, 5, 17]),  # MHA
+        (64, 8, 5, 128, [1, 64, 65, 317]),  # Qwen2.5-32B
+        (16, 3, 3, 64, [2000]),  # one long context: split over the threads, the parts merged
+    ],
 )
-def test_cpu_kernel_matches_sdpa_path(block_size, num_kv, group, head_dim):
+def test_cpu_kernel_matches_sdpa_path(block_size, num_kv, group, head_dim, context):
     """Model shapes the kernel meets: same output as the padded SDPA path, contexts ragged and
     ending anywhere in a block, blocks scattered, the query a strided view (as the model's is)."""
     gen = torch.Generator().manual_seed(block_size)
-    num_blocks, num_layers, num_heads = 64, 3, num_kv * group
+    num_layers, num_heads = 3, num_kv * group
+    num_blocks = max(64, sum(-(-(c + 1) // block_size) for c in context))
     pool = torch.randn(num_blocks, num_layers, 2, block_size, num_kv, head_dim, generator=gen)
-    context = [1, block_size, block_size + 1, 5 * block_size - 3]
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = [[order.pop() for _ in range(-(-(c + 1) // block_size))] for c in context]
     meta = build_metadata(context, [1] * len(context), tables, block_size, "cpu")

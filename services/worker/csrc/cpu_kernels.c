@@ -4,25 +4,31 @@
  *
  * Each single-token query reads its request's keys and values where they lie, block by block,
  * once: no gathered copy of the context (the torch path copies it, then SDPA reads the copy),
- * one pass with a running softmax per block. Work is split over (request, KV head) pairs on
- * torch's own OpenMP threads (this library links the libgomp torch has already loaded).
+ * one pass with a running softmax. A work item is a span of whole blocks of one request with
+ * all its heads, so the keys and values stream through in address order and each is loaded
+ * once for the G = H / KV query heads that share it. Long contexts are split into several
+ * spans (flash-decoding), so one request alone still keeps every thread busy; the spans'
+ * partial softmaxes are then merged per request. Items run on torch's own OpenMP threads (this
+ * library links the libgomp torch has already loaded).
  *
  * Layout (services/worker/attention.py has the diagram): a layer's view of the pool is
  *   kv[block * block_stride + side * side_stride + slot * KV * D + kv_head * D + d]
- * with side 0 = K, 1 = V. The G = H / KV query heads of a KV head share its keys.
+ * with side 0 = K, 1 = V.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#define MAX_GROUP 16
+#define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
-#define MAX_BLOCK 256
+#define CHUNK 32           /* keys scored at a time (the scores stay in L1) */
+#define SPAN_MIN_KEYS 64   /* keys per work item at least: smaller spans cost more to merge than they gain */
+#define SPANS_PER_THREAD 4 /* enough items that uneven contexts still balance */
 
-int paged_attention_limits(int64_t *group, int64_t *head_dim, int64_t *block_size) {
-    *group = MAX_GROUP;
+int paged_attention_limits(int64_t *heads, int64_t *head_dim) {
+    *heads = MAX_HEADS;
     *head_dim = MAX_HEAD_DIM;
-    *block_size = MAX_BLOCK;
     return 0;
 }
 
@@ -33,61 +39,157 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return s;
 }
 
+/* exp(x) for x <= 0 in a form the compiler vectorises (libm's expf stays scalar): x = n ln2 + r,
+ * |r| <= ln2 / 2, exp(r) by its Taylor polynomial to r^7 (relative error < 1e-8, below float's
+ * rounding), 2^n from the exponent bits. x is clamped at -87 (2^-126), where exp is 0 for us. */
+static inline float exp_nonpositive(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    const float n = __builtin_rintf(x * 1.44269504f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f; /* ln2 in two parts */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Keys [start, end) of one request (start a multiple of block_size), every head.
+ * q: [H, D]; writes acc: [H, D] (not yet divided by the sum), mx: [H] running max, sm: [H] sum.
+ * Loops run head by head over a chunk of keys so that a head's query and accumulator stay in
+ * registers while the chunk's keys and values (a few KB) come from L1. */
+static inline __attribute__((always_inline)) void attend_span(
+    const float *restrict q, const float *kv, int64_t block_stride, int64_t side_stride, const int64_t *table,
+    int64_t start, int64_t end, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
+    int64_t block_size, float scale, float *restrict acc, float *restrict mx, float *restrict sm) {
+    const int64_t group = num_heads / num_kv_heads, slot = num_kv_heads * head_dim;
+    float s[CHUNK];
+    for (int64_t h = 0; h < num_heads; h++) {
+        mx[h] = -INFINITY;
+        sm[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * num_heads * head_dim);
+    for (int64_t pos = start; pos < end;) {
+        const int64_t in_block = pos % block_size;
+        int64_t n = block_size - in_block;
+        n = n < CHUNK ? n : CHUNK;
+        n = n < end - pos ? n : end - pos;
+        const float *kb = kv + table[pos / block_size] * block_stride + in_block * slot;
+        const float *vb = kb + side_stride;
+        if (pos + n < end) { /* the next chunk's block lies elsewhere: start bringing it into L2 */
+            const int64_t next = pos + n, next_n = end - next < CHUNK ? end - next : CHUNK;
+            const float *nk = kv + table[next / block_size] * block_stride + next % block_size * slot;
+            for (int64_t i = 0; i < next_n * slot; i += 64 / sizeof(float)) {
+                __builtin_prefetch(nk + i, 0, 2);
+                __builtin_prefetch(nk + side_stride + i, 0, 2);
+            }
+        }
+        for (int64_t h = 0; h < num_heads; h++) {
+            const int64_t off = (h / group) * head_dim;
+            const float *qh = q + h * head_dim;
+            float m = mx[h];
+            for (int64_t t = 0; t < n; t++) {
+                s[t] = scale * dot(qh, kb + t * slot + off, head_dim);
+                m = s[t] > m ? s[t] : m;
+            }
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < n; t++) {
+                s[t] = exp_nonpositive(s[t] - m);
+                sum += s[t];
+            }
+            const float correction = exp_nonpositive(mx[h] - m); /* 0 on the first chunk: mx was -inf */
+            mx[h] = m;
+            sm[h] = sm[h] * correction + sum;
+            float a[MAX_HEAD_DIM];
+            float *ah = acc + h * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) a[d] = ah[d] * correction;
+            for (int64_t t = 0; t < n; t++) {
+                const float p = s[t], *v = vb + t * slot + off;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) a[d] += p * v[d];
+            }
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) ah[d] = a[d];
+        }
+        pos += n;
+    }
+}
+
 /* q: [R, H, D] rows `q_row_stride` floats apart (heads contiguous); out: [R, H, D] contiguous.
- * block_ids: [R, max_blocks]; ctx_lens: [R] keys per request (the new token's included). */
+ * block_ids: [R, max_blocks]; ctx_lens: [R] keys per request (the new token's included, >= 1). */
 void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
                                 int64_t side_stride, const int64_t *block_ids, int64_t max_blocks,
                                 const int64_t *ctx_lens, float *out, int64_t num_rows, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                 int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t slot_stride = num_kv_heads * head_dim;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < num_rows; r++) {
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            const float *qh = q + r * q_row_stride + h * group * head_dim; /* [G, D] */
-            float acc[MAX_GROUP][MAX_HEAD_DIM];
-            float run_max[MAX_GROUP], run_sum[MAX_GROUP];
-            float scores[MAX_GROUP][MAX_BLOCK];
-            for (int64_t g = 0; g < group; g++) {
-                memset(acc[g], 0, sizeof(float) * head_dim);
-                run_max[g] = -INFINITY;
-                run_sum[g] = 0.0f;
-            }
-            const int64_t ctx = ctx_lens[r];
+    /* Span length: whole blocks, about SPANS_PER_THREAD items per thread over the batch. */
+    int64_t total = 0;
+    for (int64_t r = 0; r < num_rows; r++) total += ctx_lens[r];
+    int64_t span = (total + (int64_t)num_threads * SPANS_PER_THREAD - 1) / ((int64_t)num_threads * SPANS_PER_THREAD);
+    span = span > SPAN_MIN_KEYS ? span : SPAN_MIN_KEYS;
+    span = (span + block_size - 1) / block_size * block_size;
+
+    int64_t *first = malloc(sizeof(int64_t) * (num_rows + 1)); /* first item of each row */
+    first[0] = 0;
+    for (int64_t r = 0; r < num_rows; r++) first[r + 1] = first[r] + (ctx_lens[r] + span - 1) / span;
+    const int64_t num_items = first[num_rows];
+    int64_t *item_row = malloc(sizeof(int64_t) * num_items);
+    for (int64_t r = 0; r < num_rows; r++)
+        for (int64_t i = first[r]; i < first[r + 1]; i++) item_row[i] = r;
+    /* Per item: acc [H, D], then max [H], then sum [H]. */
+    const int64_t part_size = num_heads * (head_dim + 2);
+    float *part = malloc(sizeof(float) * part_size * num_items);
+
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_items; i++) {
+            const int64_t r = item_row[i], start = (i - first[r]) * span;
+            const int64_t end = start + span < ctx_lens[r] ? start + span : ctx_lens[r];
+            float *acc = part + i * part_size, *mx = acc + num_heads * head_dim, *sm = mx + num_heads;
+            const float *qr = q + r * q_row_stride;
             const int64_t *table = block_ids + r * max_blocks;
-            for (int64_t start = 0; start < ctx; start += block_size) {
-                const int64_t n = ctx - start < block_size ? ctx - start : block_size;
-                const float *kb = kv + table[start / block_size] * block_stride + h * head_dim;
-                const float *vb = kb + side_stride;
-                for (int64_t g = 0; g < group; g++) {
-                    float m = run_max[g];
-                    for (int64_t t = 0; t < n; t++) {
-                        scores[g][t] = scale * dot(qh + g * head_dim, kb + t * slot_stride, head_dim);
-                        m = scores[g][t] > m ? scores[g][t] : m;
-                    }
-                    const float correction = expf(run_max[g] - m);
-                    run_max[g] = m;
-                    run_sum[g] *= correction;
-                    float *a = acc[g];
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) a[d] *= correction;
-                    for (int64_t t = 0; t < n; t++) {
-                        const float p = expf(scores[g][t] - m);
-                        const float *v = vb + t * slot_stride;
-                        run_sum[g] += p;
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) a[d] += p * v[d];
-                    }
+            if (head_dim == 64) /* the common size, unrolled at compile time */
+                attend_span(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, 64,
+                            block_size, scale, acc, mx, sm);
+            else
+                attend_span(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, head_dim,
+                            block_size, scale, acc, mx, sm);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < num_rows; r++) {
+            for (int64_t h = 0; h < num_heads; h++) {
+                float m = -INFINITY, sum = 0.0f;
+                for (int64_t i = first[r]; i < first[r + 1]; i++) {
+                    const float *mx = part + i * part_size + num_heads * head_dim;
+                    m = mx[h] > m ? mx[h] : m;
                 }
-            }
-            float *o = out + (r * num_heads + h * group) * head_dim;
-            for (int64_t g = 0; g < group; g++) {
-                const float inv = 1.0f / run_sum[g];
-                for (int64_t d = 0; d < head_dim; d++) o[g * head_dim + d] = acc[g][d] * inv;
+                float *o = out + (r * num_heads + h) * head_dim;
+                memset(o, 0, sizeof(float) * head_dim);
+                for (int64_t i = first[r]; i < first[r + 1]; i++) {
+                    const float *acc = part + i * part_size, *mx = acc + num_heads * head_dim, *sm = mx + num_heads;
+                    const float w = exp_nonpositive(mx[h] - m);
+                    sum += sm[h] * w;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++) o[d] += w * acc[h * head_dim + d];
+                }
+                const float inv = 1.0f / sum;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
             }
         }
     }
+    free(part);
+    free(item_row);
+    free(first);
 }
 
 /* ------------------------------------------------------------ per-row elementwise ops
