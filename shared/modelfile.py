@@ -20,6 +20,22 @@ _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
 
 
+# Hugging Face `model_type` -> the `architectures` entry the model code implements.
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class RopeScaling(msgspec.Struct, frozen=True):
+    """Rotary frequency scaling of a long-context checkpoint: `linear` divides every
+    frequency by `factor`; `llama3` (Llama-3.1/3.2) divides only the low frequencies,
+    leaves the high ones and blends those between (services/worker/model.py)."""
+
+    type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
 class ModelConfig(msgspec.Struct, frozen=True):
     """Llama-family architecture, enough to build the model and size the KV-cache."""
 
@@ -38,6 +54,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     attention_bias: bool = False  # Qwen2-style q/k/v biases
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    rope_scaling: RopeScaling | None = None
 
 
 def default_model_path() -> Path:
@@ -90,8 +107,13 @@ def _gguf_config(path: Path) -> ModelConfig:
     f = {k: reader.fields[k].contents() for k in reader.fields if not k.startswith(("GGUF.", "tokenizer.ggml."))}
     f.update({k: reader.fields[k].contents() for k in _GGUF_TOKEN_IDS if k in reader.fields})
     arch = f["general.architecture"]
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (llama and qwen2 are)")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} ({' and '.join(SUPPORTED_ARCHITECTURES)} are)")
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise ValueError(
+            f"{path.name} scales its rope frequencies (a rope_freqs tensor, as Llama-3.1 GGUFs do), which this "
+            "GGUF loader does not apply; serve the Hugging Face folder of the model instead"
+        )
     hidden = int(f[f"{arch}.embedding_length"])
     heads = int(f[f"{arch}.attention.head_count"])
     name = DEFAULT_MODEL_NAME if path.name == _BUNDLED_FILE else str(f.get("general.name", path.stem))
@@ -116,6 +138,8 @@ def _gguf_config(path: Path) -> ModelConfig:
 
 def _hf_config(path: Path) -> ModelConfig:
     c = json.loads((path / "config.json").read_text())
+    check_architecture(c, path)
+    rope = c.get("rope_parameters") or {}  # transformers 5 keeps rope_theta and the scaling here
     hidden = c["hidden_size"]
     heads = c["num_attention_heads"]
     eos = c.get("eos_token_id")
@@ -128,15 +152,48 @@ def _hf_config(path: Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads", heads),
         head_dim=c.get("head_dim") or hidden // heads,
-        # transformers 5 writes rope_theta inside rope_parameters
-        rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=float(c.get("rope_theta") or rope.get("rope_theta", 10000.0)),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         max_position=c.get("max_position_embeddings", 2048),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         attention_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
         bos_token_id=_opt_int(c.get("bos_token_id")),
         eos_token_id=_opt_int(eos[0] if isinstance(eos, list) else eos),
+        rope_scaling=rope_scaling(c.get("rope_scaling") or rope, path),
     )
+
+
+def check_architecture(c: dict, path: Path) -> None:
+    """Refuse a checkpoint the model code does not implement: loading it would 'work' and
+    produce garbage (Qwen3's q/k norms, Gemma's scaled embeddings, ... are not here)."""
+    model_type = c.get("model_type")
+    archs = c.get("architectures") or []
+    if model_type not in SUPPORTED_ARCHITECTURES or any(a != SUPPORTED_ARCHITECTURES[model_type] for a in archs):
+        supported = ", ".join(f"{a} ({t})" for t, a in SUPPORTED_ARCHITECTURES.items())
+        raise ValueError(
+            f"{path}: unsupported architecture {', '.join(archs) or '?'} (model_type {model_type!r}); "
+            f"supported: {supported}"
+        )
+    if c.get("use_sliding_window"):
+        raise ValueError(f"{path}: sliding-window attention is not supported")
+
+
+def rope_scaling(spec: dict, path: Path) -> RopeScaling | None:
+    """The checkpoint's rope scaling (`rope_scaling`, or transformers 5's `rope_parameters`)."""
+    kind = spec.get("rope_type") or spec.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", float(spec["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            float(spec["factor"]),
+            float(spec["low_freq_factor"]),
+            float(spec["high_freq_factor"]),
+            int(spec["original_max_position_embeddings"]),
+        )
+    raise ValueError(f"{path}: rope scaling {kind!r} is not supported (default, linear and llama3 are)")
 
 
 def _opt_int(v) -> int | None:

@@ -13,6 +13,8 @@ of o_proj and down. With one rank it is None and the layers run no collective.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 
 import torch
@@ -68,7 +70,25 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """[head_dim / 2] rotation frequencies, computed as HF does so angles match exactly."""
     exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-    return 1.0 / (cfg.rope_theta**exponents)
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: wavelengths longer than the original context / low_freq_factor are stretched by
+    # `factor`, those shorter than original / high_freq_factor are kept, and the band between
+    # is a blend of the two by where the wavelength falls in it.
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(in_band, blended, scaled)
 
 
 def rope_cos_sin(

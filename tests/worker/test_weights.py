@@ -61,6 +61,11 @@ def tiny_checkpoint(tmp_path, arch: str):
     if arch == "llama":  # untied, head_dim not hidden / heads (as in some Llama-3 / Qwen3 shapes)
         config = transformers.LlamaConfig(**common, head_dim=32, tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(config)
+    elif arch == "llama3":  # Llama-3.1/3.2 rope scaling; an original context of 64 puts all three bands in use
+        llama3 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+        common["rope_parameters"] = dict(rope_type="llama3", rope_theta=common.pop("rope_theta"), **llama3)
+        config = transformers.LlamaConfig(**common, head_dim=32, max_position_embeddings=128)
+        model = transformers.LlamaForCausalLM(config)
     else:  # Qwen2.5 shape: q/k/v biases, tied embeddings
         config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(config)
@@ -76,7 +81,9 @@ def tiny_checkpoint(tmp_path, arch: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch, packed", [("llama", True), ("qwen2", True), ("llama", False), ("qwen2", False)])
+@pytest.mark.parametrize(
+    "arch, packed", [("llama", True), ("qwen2", True), ("llama3", True), ("llama", False), ("qwen2", False)]
+)
 def test_hf_directory_model_matches_transformers(tmp_path, monkeypatch, arch, packed):
     """Both families, with weights packed for oneDNN and in the plain [in, out] layout
     (the path GPUs and torch builds without oneDNN take)."""
@@ -90,6 +97,7 @@ def test_hf_directory_model_matches_transformers(tmp_path, monkeypatch, arch, pa
     assert cfg.attention_bias == (arch == "qwen2")
     assert cfg.tie_embeddings == (arch == "qwen2")
     assert cfg.rope_theta == 50000.0
+    assert (cfg.rope_scaling is not None) == (arch == "llama3")
     n = 23
     ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(1))
     table = [5, 1, 4, 0, 3, 2]
@@ -102,6 +110,29 @@ def test_hf_directory_model_matches_transformers(tmp_path, monkeypatch, arch, pa
         meta = build_metadata([n - 1], [1], [table], BLOCK, "cpu")
         last = ours_model(ids[-1:], torch.tensor([n - 1]), meta, pool, torch.tensor([0]))
         torch.testing.assert_close(last[0], theirs[-1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "model_type, architecture",
+    [("qwen3", "Qwen3ForCausalLM"), ("gemma", "GemmaForCausalLM"), ("llama", "LlavaForConditionalGeneration")],
+)
+def test_unimplemented_architecture_is_refused_by_name(tmp_path, model_type, architecture):
+    """A folder the model code does not implement would load and produce garbage."""
+    tiny_checkpoint(tmp_path, "llama")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(model_type=model_type, architectures=[architecture])
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=f"unsupported architecture {architecture}.*LlamaForCausalLM"):
+        load_model(tmp_path, "cpu")
+
+
+def test_unknown_rope_scaling_is_refused(tmp_path):
+    tiny_checkpoint(tmp_path, "llama")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        load_model(tmp_path, "cpu")
 
 
 def test_missing_tensor_is_named(tmp_path):
