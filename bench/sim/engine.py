@@ -50,7 +50,7 @@ from services.scheduler.core import SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
 from shared.config import DEFAULT_PIPELINE_DEPTH
-from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, TokenOutput
+from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, StepTimings, TokenOutput
 
 TOKEN = 1  # the id every synthesized sample carries (never a stop token: no stop ids are set)
 
@@ -135,6 +135,7 @@ class InFlight:
     step_id: int
     sampled: list[str]  # request ids that sample in this step
     end: float = math.inf  # when its result is back (the cost model's)
+    compute_s: float = 0.0  # reported back, as a worker does (the core learns step times from it)
 
 
 def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
@@ -168,7 +169,7 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         run.step_num_sampled.append(len(sampled))
         run.compute_ms.append(compute_s * 1e3)
         run.xfer_ms.append(x.total_s * 1e3)
-        return InFlight(plan.step_id, sampled, end)
+        return InFlight(plan.step_id, sampled, end, compute_s)
 
     def idle() -> None:  # a schedule() call that built no plan
         run.sched_wall_ms.append(driver.schedule_s * 1e3)
@@ -236,7 +237,8 @@ def run_clock(
             upcoming.popleft()
         if driver.in_flight:
             f = driver.in_flight[0]
-            _, outputs = driver.result(StepResult(f.step_id, f.sampled, [TOKEN] * len(f.sampled)), now)
+            result = StepResult(f.step_id, f.sampled, [TOKEN] * len(f.sampled), StepTimings(compute_s=f.compute_s))
+            _, outputs = driver.result(result, now)
             applied(outputs, now)
         following = next_result()
         merged = following - now < tick_s and following <= arrival

@@ -18,6 +18,7 @@ from .memory import Memory
 from .queues import RequestHeap
 from .request import Request, Status, blocks_for
 from .step import Step
+from .steptime import MIN_PREFILL_CHUNK, StepTimeModel
 from .vlt import lag_key
 
 
@@ -51,6 +52,8 @@ class SchedulerCore:
         self.num_rotations_in = 0
         self.num_finished = 0
         self.num_aborted = 0
+        self.step_time = StepTimeModel()
+        self._step_tokens: dict[int, int] = {}  # tokens of each plan in flight, for step_time
 
     # ------------------------------------------------------------ requests in
 
@@ -112,6 +115,9 @@ class SchedulerCore:
         """Append sampled tokens and release the blocks the step copied from. Tokens of
         requests that finished or were aborted since their step was planned are ignored."""
         self.memory.step_done(result.step_id)
+        num_tokens = self._step_tokens.pop(result.step_id, 0)
+        if num_tokens and result.timings.compute_s > 0:
+            self.step_time.observe(num_tokens, result.timings.compute_s)
         outputs: list[TokenOutput] = []
         for request_id, token in zip(result.request_ids, result.token_ids):
             req = self.requests.get(request_id)
@@ -155,6 +161,7 @@ class SchedulerCore:
             step_id=self.step_id,
             now=now,
             tokens_left=cfg.max_batched_tokens,
+            prefill_left=self._prefill_cap(),
             moves_left=cfg.xfer_budget,
             seqs_left=cfg.max_num_seqs,
             free_hbm_at_start=memory.hbm.num_free,
@@ -172,6 +179,17 @@ class SchedulerCore:
         self.num_left_out = len(self.q_waiting) + len(self.q_rotary)
         busy = step.scheduled or step.num_moved or step.num_preempted or self.pending_drops
         return self._build_plan(step) if busy else None
+
+    def _prefill_cap(self) -> int:
+        """Prefill tokens this step may take: the token budget, or with `slo_chunking`
+        while requests are decoding, what keeps the step within their tightest TBT SLO."""
+        cap = self.cfg.max_batched_tokens
+        decoding = [r for r in self.running.values() if r.has_emitted]
+        if self.cfg.slo_chunking and decoding:
+            slo = min(r.tbt_slo for r in decoding)
+            fitted = self.step_time.prefill_cap(len(decoding), slo, MIN_PREFILL_CHUNK)
+            cap = min(cap, fitted) if fitted is not None else cap
+        return cap
 
     def _build_plan(self, step: Step) -> Plan:
         new_requests: list[NewRequestData] = []
@@ -194,6 +212,7 @@ class SchedulerCore:
             drop=self.pending_drops,
         )
         self.pending_drops = []
+        self._step_tokens[step.step_id] = sum(r.step_new_tokens for r in step.scheduled)
         self.step_id += 1
         return plan
 
