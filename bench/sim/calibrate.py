@@ -206,7 +206,7 @@ def measure_sched_ms(num_requests: int = 64, num_steps: int = 200) -> float:
     core = SchedulerCore(SchedulerConfig(), 4096, 4096, 8192)
     for i in range(num_requests):
         core.add_request(
-            p.AddRequest(str(i), [1] * (100 + 7 * i), p.SamplingParams(max_tokens=200, ignore_eos=True)), 0.0
+            p.AddRequest(str(i), [2 + i] + [1] * (99 + 7 * i), p.SamplingParams(max_tokens=200, ignore_eos=True)), 0.0
         )
     known = {str(i): 100 + 7 * i for i in range(num_requests)}
     times, now = [], 0.0

@@ -121,9 +121,14 @@ class SimRun:
 
 def requests_of(items: list[WorkItem]) -> list[AddRequest]:
     """One AddRequest per item: its prompt length in placeholder ids, `max_tokens` = its
-    output length (no stop ids: the output ends exactly there)."""
+    output length (no stop ids: the output ends exactly there). The first id is the item's
+    own, so no two prompts share a prefix-cache block (real prompts rarely share whole ones)."""
     return [
-        AddRequest(str(i), [TOKEN] * it.prompt_tokens, SamplingParams(max_tokens=it.output_tokens, ignore_eos=True))
+        AddRequest(
+            str(i),
+            [TOKEN + 1 + i] + [TOKEN] * (it.prompt_tokens - 1),
+            SamplingParams(max_tokens=it.output_tokens, ignore_eos=True),
+        )
         for i, it in enumerate(items)
     ]
 

@@ -244,6 +244,8 @@ class _Snapshot:
         yield counter("superinfer:num_preemptions", "Running requests preempted", v["num_preemptions"])
         yield counter("superinfer:num_recomputes", "Preemptions that dropped KV for recompute", v["num_recomputes"])
         yield counter("superinfer:scheduler_steps", "Plans built", v["num_steps"])
+        yield counter("superinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", v["num_prefix_queries"])
+        yield counter("superinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache", v["num_prefix_hits"])
         rot = CounterMetricFamily("superinfer:rotations", "Requests rotated between tiers", labels=["direction"])
         rot.add_metric(["out"], v["num_rotations_out"])
         rot.add_metric(["in"], v["num_rotations_in"])

@@ -297,7 +297,7 @@ class SchedulerService:
         self.observer.block_bytes = ready.block_bytes
         # The worker owns the KV layout, so its block size wins.
         cfg = dataclasses.replace(self.cfg, block_size=ready.block_size)
-        core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len)
+        core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len, ready.model_name)
         self.driver = Driver(core, self._send_plan, self.pipeline_depth, time.perf_counter)
         self.step_times.clear()
         self.log.info(

@@ -63,15 +63,17 @@ class ToyWorker:
     def execute(self, plan: p.Plan) -> p.StepResult:
         for rid in plan.drop:
             self.tokens.pop(rid, None)
+        fresh = set()  # a whole new block table: it may start at a prefix-cache hit
         for new in plan.new_requests:
             assert new.request_id not in self.tokens, f"{new.request_id} sent twice"
             self.tokens[new.request_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
-            self.computed[new.request_id] = 0
+            fresh.add(new.request_id)
         ids, toks = [], []
         for s in plan.scheduled:
             tokens = self.tokens[s.request_id]
-            if s.num_computed_tokens == 0:
-                self.computed[s.request_id] = 0
+            if s.request_id in fresh or s.block_table is not None:
+                if s.num_computed_tokens % BLOCK_SIZE == 0:
+                    self.computed[s.request_id] = s.num_computed_tokens
             assert s.num_computed_tokens == self.computed[s.request_id], s
             end = s.num_computed_tokens + s.num_new_tokens
             assert end <= len(tokens), s

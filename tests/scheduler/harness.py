@@ -1,8 +1,9 @@
 """A worker stand-in for scheduler tests: it executes Plans on a symbolic KV-cache.
 
-Each HBM/DRAM block holds (request_id, logical block index, tokens filled), so the tests
-see whether a request's KV survives swaps, mirrors and recomputes intact, and whether a
-plan reuses a block it is still copying. Token ids come from a seeded RNG (some are stop
+Each HBM/DRAM block holds (logical block index, the token ids written into it), so the
+tests see whether a request's KV survives swaps, mirrors and recomputes intact, whether a
+plan reuses a block it is still copying, and whether a prefix-cache hit gives a request
+blocks that hold exactly its own tokens. Token ids come from a seeded RNG (some are stop
 tokens), like sampling would.
 """
 
@@ -46,11 +47,12 @@ class SymbolicWorker:
         for s in plan.scheduled:
             assert s.request_id not in plan.drop, f"{s.request_id} scheduled and dropped"
             wr = self.reqs[s.request_id]
+            fresh = s.block_table is not None or not wr.table  # a whole new table: it may start at a cache hit
             if s.block_table is not None:
                 wr.table = list(s.block_table)
             wr.table += s.new_block_ids
-            if s.num_computed_tokens == 0:
-                wr.num_computed = 0
+            if fresh and s.num_computed_tokens % self.block_size == 0:
+                wr.num_computed = s.num_computed_tokens  # _check_kv below checks what it starts from
             assert s.num_computed_tokens == wr.num_computed, (
                 f"{s.request_id}: plan computes from {s.num_computed_tokens}, worker has {wr.num_computed}"
             )
@@ -83,15 +85,16 @@ class SymbolicWorker:
         for i in range((num_computed + bs - 1) // bs):
             want = min(bs, num_computed - i * bs)
             got = self.hbm[wr.table[i]]
-            assert got is not None and got[:2] == (rid, i) and got[2] >= want, (
-                f"{rid}: KV block {i} (hbm {wr.table[i]}) holds {got}, expected ({rid!r}, {i}, >={want})"
+            expected = (i, tuple(wr.tokens[i * bs : i * bs + want]))
+            assert got is not None and (got[0], got[1][:want]) == expected, (
+                f"{rid}: KV block {i} (hbm {wr.table[i]}) holds {got}, expected {expected}"
             )
 
     def _write_kv(self, rid: str, wr: WorkerRequest, start: int, end: int) -> None:
         bs = self.block_size
         assert len(wr.table) * bs >= end, f"{rid}: block table too short for {end} tokens"
         for i in range(start // bs, (end + bs - 1) // bs):
-            self.hbm[wr.table[i]] = (rid, i, min(bs, end - i * bs))
+            self.hbm[wr.table[i]] = (i, tuple(wr.tokens[i * bs : min(end, (i + 1) * bs)]))
 
 
 def make_core(policy: str = "fcfs", num_hbm: int = 64, num_dram: int = 256, max_model_len: int = 2048, **kw):

@@ -1,7 +1,8 @@
 """Block pools of the two KV tiers (HBM and DRAM) and the rule for reusing a block.
 
 Ownership is kept on the requests (`Request.hbm_blocks`, `Request.dram_blocks`); a pool
-only knows which of its blocks are free. Per-block state is derived, not stored:
+knows how many requests hold each block (`ref`) and which of its blocks are free. Per-block
+state is derived, not stored:
 
     RUNNING request, block i:  live copy in HBM;
                                synced  iff (i + 1) * block_size <= num_computed_tokens;
@@ -36,49 +37,94 @@ cross-iteration pipeline it starts plan t+1's copies while plan t still runs. So
    only once that step's compute is done), and a DRAM block freed under rule 2 may be
    written by a plan while an earlier copy into it still runs (the transfer engine
    orders copies that share a block).
+
+Prefix caching (HBM)
+--------------------
+A full HBM block whose tokens are all known may carry a hash (prefix.py: a chain over the
+tokens of every block up to it). Requests whose prompts share those tokens share the block:
+`ref[b]` counts the requests that list it. A block whose count drops to 0 keeps its hash
+and stays *cached*: free for allocation (it counts in `num_free`), evicted least recently
+freed first and only once no plain free block is left, and found again by its hash until
+then (`revive`). The reuse rule holds for it as for any block: a cached block that an
+in-flight step touches is taken by compute only, never as a swap-in target, until that step
+reports; a block freed as a swap-out source (`defer`) stays out of every free list until its
+step reports, even if a request revives it meanwhile and drops it again. Sharing only ever
+*reads* a block (compute reads it; copies read it), so a shared block is never moved: a
+request that lets go of one (finish, preemption, rotation) only lowers its count.
+
+    block b:  ref[b] > 0            held by ref[b] requests (hash or not)
+              ref[b] == 0, hashed   cached (evictable, LRU) or deferred
+              ref[b] == 0, no hash  free, recent or deferred
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 
 
 class BlockPool:
-    """Free list of one tier. LIFO reuse keeps recently used blocks hot."""
+    """Free list of one tier, reference counts, and (HBM) the cache of hashed free blocks.
+    LIFO reuse keeps recently used blocks hot."""
 
     def __init__(self, num_blocks: int, name: str) -> None:
         self.name = name
         self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks  # requests holding each block
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._recent: list[tuple[int, list[int]]] = []  # free, but an in-flight step touches them
         self.num_recent = 0
         self._deferred: list[tuple[int, list[int]]] = []  # (step id, blocks), step ids ascending
-        self.num_deferred = 0
+        self._deferred_until: dict[int, int] = {}  # deferred block -> the step it waits for
+        self.num_deferred = 0  # deferred blocks no request has revived
+        # Prefix cache: hash <-> block for full blocks, and the hashed blocks no request holds
+        # (LRU first). `_busy`: cached blocks an in-flight step touches (block -> step id).
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.index: dict[bytes, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._busy: dict[int, int] = {}
+        self._busy_steps: list[tuple[int, list[int]]] = []
 
     @property
     def num_free(self) -> int:
-        return len(self._free) + self.num_recent
+        return len(self._free) + self.num_recent + len(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks that keep their content for a later prefix hit."""
+        return len(self._cached)
 
     @property
     def num_clean(self) -> int:
         """Free blocks no step in flight touches: the ones a swap-in may target."""
-        return len(self._free)
+        return len(self._free) + len(self._cached) - len(self._busy)
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """`n` free blocks, recent ones (rule 2) first: they suit compute, not copies."""
+        """`n` free blocks, recent ones (rule 2) first: they suit compute, not copies;
+        cached ones last, least recently freed first."""
         if n > self.num_free:
             raise RuntimeError(f"{self.name}: {n} blocks asked, {self.num_free} free")
-        recent = self._take_recent(min(n, self.num_recent))
-        return recent + self._take_free(n - len(recent))
+        out = self._take_recent(min(n, self.num_recent))
+        out += self._take_free(min(n - len(out), len(self._free)))
+        out += self._evict(n - len(out), clean=False)
+        self._hold(out)
+        return out
 
     def allocate_clean(self, n: int) -> list[int]:
         """`n` free blocks that no step in flight touches (copy targets)."""
-        if n > len(self._free):
-            raise RuntimeError(f"{self.name}: {n} clean blocks asked, {len(self._free)} free")
-        return self._take_free(n)
+        if n > self.num_clean:
+            raise RuntimeError(f"{self.name}: {n} clean blocks asked, {self.num_clean} free")
+        out = self._take_free(min(n, len(self._free)))
+        out += self._evict(n - len(out), clean=True)
+        self._hold(out)
+        return out
+
+    def _hold(self, ids: list[int]) -> None:
+        for b in ids:
+            self.ref[b] = 1
 
     def _take_free(self, n: int) -> list[int]:
         if n <= 0:
@@ -100,32 +146,122 @@ class BlockPool:
         self.num_recent -= len(out)
         return out
 
+    def _evict(self, n: int, clean: bool) -> list[int]:
+        """`n` cached blocks, least recently freed first, their hashes forgotten; `clean`:
+        none an in-flight step touches."""
+        out: list[int] = []
+        for b in self._cached:
+            if len(out) == n:
+                break
+            if not (clean and b in self._busy):
+                out.append(b)
+        for b in out:
+            del self._cached[b]
+            self._busy.pop(b, None)
+            self.unhash(b)
+        return out
+
+    # ------------------------------------------------------------ the prefix cache
+
+    def register(self, b: int, h: bytes) -> None:
+        """Block `b` (held, full) holds the tokens whose chain hash is `h`. A second block
+        with the same content stays anonymous (it is freed as a plain block)."""
+        if self.hash_of[b] is None and h not in self.index:
+            self.hash_of[b] = h
+            self.index[h] = b
+
+    def unhash(self, b: int) -> None:
+        h = self.hash_of[b]
+        if h is not None:
+            del self.index[h]
+            self.hash_of[b] = None
+
+    def lookup(self, h: bytes) -> int | None:
+        return self.index.get(h)
+
+    def is_cached(self, b: int) -> bool:
+        """No request holds `b` and it is free for allocation (reviving it takes a free block)."""
+        return b in self._cached
+
+    def revive(self, b: int) -> None:
+        """Take one more reference on the hashed block `b` (held, cached or deferred)."""
+        if self.ref[b] == 0:
+            if b in self._cached:
+                del self._cached[b]
+                self._busy.pop(b, None)
+            else:
+                assert b in self._deferred_until, f"{self.name}: revived block {b} is neither cached nor deferred"
+                self.num_deferred -= 1
+        self.ref[b] += 1
+
+    # ------------------------------------------------------------ release
+
     def free(self, ids: list[int], busy_step: int | None = None) -> None:
-        """Return blocks; `busy_step`: a step still in flight touches them (rule 2)."""
+        """Drop one reference on each block; one that no request holds any more becomes free
+        (cached if hashed). `busy_step`: a step still in flight touches them (rule 2)."""
+        plain: list[int] = []
+        for b in reversed(ids):  # the tail of a sequence is evicted before its prefix
+            self.ref[b] -= 1
+            if self.ref[b] > 0:
+                continue
+            if b in self._deferred_until:  # revived while deferred: deferred again
+                self.num_deferred += 1
+                if busy_step is not None and busy_step > self._deferred_until[b]:
+                    self._deferred_until[b] = busy_step
+                    _insert(self._deferred, busy_step, [b])
+                continue
+            if self.hash_of[b] is not None:
+                self._cached[b] = None
+                if busy_step is not None:
+                    self._busy[b] = busy_step
+                    _insert(self._busy_steps, busy_step, [b])
+            else:
+                plain.append(b)
         if busy_step is None:
-            self._free.extend(reversed(ids))
-        elif ids:
-            _insert(self._recent, busy_step, ids)
-            self.num_recent += len(ids)
+            self._free.extend(plain)
+        elif plain:
+            plain.reverse()
+            _insert(self._recent, busy_step, plain)
+            self.num_recent += len(plain)
 
     def defer(self, ids: list[int], step_id: int) -> None:
-        """Free once the result of step `step_id` is in (rule 1 above)."""
-        if ids:
-            _insert(self._deferred, step_id, ids)
-            self.num_deferred += len(ids)
+        """Drop one reference on each; free those no request holds once the result of step
+        `step_id` is in (rule 1 above). A shared block only loses the reference."""
+        out: list[int] = []
+        for b in ids:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                out.append(b)
+                self._deferred_until[b] = step_id
+        if out:
+            _insert(self._deferred, step_id, out)
+            self.num_deferred += len(out)
 
     def release_through(self, step_id: int) -> None:
         while self._deferred and self._deferred[0][0] <= step_id:
-            _, ids = self._deferred.pop(0)
-            self._free.extend(ids)
-            self.num_deferred -= len(ids)
+            s, ids = self._deferred.pop(0)
+            for b in ids:
+                if self._deferred_until.get(b) != s:
+                    continue  # deferred again by a later step
+                del self._deferred_until[b]
+                if self.ref[b] == 0:
+                    self.num_deferred -= 1
+                    self.ref[b] = 1
+                    self.free([b])
         while self._recent and self._recent[0][0] <= step_id:
             _, ids = self._recent.pop(0)
             self._free.extend(ids)
             self.num_recent -= len(ids)
+        while self._busy_steps and self._busy_steps[0][0] <= step_id:
+            s, ids = self._busy_steps.pop(0)
+            for b in ids:
+                if self._busy.get(b) == s:
+                    del self._busy[b]
 
     def free_ids(self) -> list[int]:
-        return self._free + [b for lst in (self._recent, self._deferred) for _, ids in lst for b in ids]
+        """Blocks no request holds: free, recent, cached and deferred."""
+        deferred = [b for b in self._deferred_until if self.ref[b] == 0]
+        return self._free + [b for _, ids in self._recent for b in ids] + list(self._cached) + deferred
 
 
 def _insert(lists: list[tuple[int, list[int]]], step_id: int, ids: list[int]) -> None:

@@ -70,6 +70,11 @@ class SchedulerConfig:
         "admit a paused request only with HBM room for all its known tokens, not just the chunk it "
         "computes first (default %(default)s)",
     )
+    enable_prefix_caching: bool = _flag(
+        True,
+        "share the KV blocks of prompt prefixes between requests and keep freed ones cached until "
+        "their space is needed (default %(default)s)",
+    )
     # lvf's guards against a carousel of rotations (lvf.py): a paused request that has emitted
     # tokens displaces only requests that have run `min_residency_s`, and one it cannot place
     # does not hold back the requests behind it (`rotary_yields`).

@@ -31,17 +31,26 @@ def check_invariants(core: CoreState) -> None:
 
 
 def _check_ownership(core: CoreState) -> None:
-    """Every block is owned once (by a request or the free list); free + used = total."""
+    """Each block is held by as many requests as its reference count says (DRAM blocks and
+    unhashed HBM blocks by one at most), or else free, cached or deferred, never both;
+    free (cached included) + deferred + used = total; the cache index names held,
+    cached or deferred blocks only."""
     m = core.memory
     for pool, attr in ((m.hbm, "hbm_blocks"), (m.dram, "dram_blocks")):
-        owned = [b for r in core.requests.values() for b in getattr(r, attr)]
-        counts = Counter(owned + pool.free_ids())
+        owned = Counter(b for r in core.requests.values() for b in getattr(r, attr))
+        bad = [b for b, c in owned.items() if c != pool.ref[b] or (c > 1 and pool.hash_of[b] is None)]
+        assert not bad, f"{pool.name} blocks held by a count other than their reference count: {sorted(bad)[:8]}"
+        held = [b for b in range(pool.num_blocks) if pool.ref[b] > 0]
+        assert len(held) == len(owned), f"{pool.name} blocks referenced by no request: {sorted(set(held) - owned.keys())[:8]}"
+        counts = Counter(list(owned) + pool.free_ids())
         dup = [b for b, c in counts.items() if c > 1]
-        assert not dup, f"{pool.name} blocks owned more than once: {sorted(dup)[:8]}"
+        assert not dup, f"{pool.name} blocks both held and free, or free twice: {sorted(dup)[:8]}"
         missing = set(range(pool.num_blocks)) - counts.keys()
         assert not missing, f"{pool.name} blocks leaked (neither free nor owned): {sorted(missing)[:8]}"
         assert len(counts) == pool.num_blocks, f"{pool.name} has blocks outside 0..{pool.num_blocks - 1}"
         assert pool.num_free + pool.num_deferred + len(owned) == pool.num_blocks, f"{pool.name}: free + used != total"
+        for h, b in pool.index.items():
+            assert pool.hash_of[b] == h, f"{pool.name}: cache index names block {b} for another hash"
 
 
 def _check_request(core: CoreState, req) -> None:

@@ -1,17 +1,21 @@
-"""Block moves of the two-tier manager: growth, preemption (swap or recompute), swap-in
-and eager mirroring. Reuse of freed blocks follows the rule in blocks.py."""
+"""Block moves of the two-tier manager: growth, prefix-cache hits, preemption (swap or
+recompute), swap-in and eager mirroring. Reuse of freed blocks follows the rule in blocks.py."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from .blocks import BlockPool
+from .prefix import extend_hashes, root_hash
 from .request import Request, Status, blocks_for
 from .step import Step
 
 
 class Memory:
-    def __init__(self, num_hbm_blocks: int, num_dram_blocks: int, block_size: int, mirrors: bool):
+    def __init__(
+        self, num_hbm_blocks: int, num_dram_blocks: int, block_size: int, mirrors: bool,
+        caching: bool = False, salt: str = "",
+    ):
         self.hbm = BlockPool(num_hbm_blocks, "hbm")
         self.dram = BlockPool(num_dram_blocks, "dram")
         self.block_size = block_size
@@ -20,6 +24,10 @@ class Memory:
         self.num_swapped_out = 0
         self.num_mirrored = 0
         self.done_through = -1  # every step up to this one has reported its result
+        self.caching = caching  # share full HBM blocks by content (prefix caching)
+        self.root = root_hash(salt)
+        self.num_prefix_queries = 0  # prompt tokens looked up in the cache at admission
+        self.num_prefix_hits = 0  # ... and found there
 
     # ------------------------------------------------------------ growth
 
@@ -32,8 +40,83 @@ class Memory:
     def blocks_to_admit(self, req: Request, num_new_tokens: int, reserve_full: bool) -> int:
         """HBM blocks a paused request must find free to be admitted computing
         `num_new_tokens` now: those blocks, or with `reserve_full` those for every
-        token it knows (the rest of its prompt too)."""
-        return self.blocks_needed(req, req.num_schedulable() if reserve_full else num_new_tokens)
+        token it knows (the rest of its prompt too). A waiting request's prefix found in
+        the cache needs no new block, but reviving a cached one takes a free block."""
+        hits = self.match_prefix(req)
+        if not hits:
+            return self.blocks_needed(req, req.num_schedulable() if reserve_full else num_new_tokens)
+        num_hit = len(hits) * self.block_size
+        num_tokens = req.num_known if reserve_full else num_hit + min(num_new_tokens, req.num_known - num_hit)
+        return self._blocks_with_hits(hits, num_tokens)
+
+    def _blocks_with_hits(self, hits: list[int], num_tokens: int) -> int:
+        num_revived = sum(1 for b in hits if self.hbm.is_cached(b))
+        return blocks_for(num_tokens, self.block_size) - len(hits) + num_revived
+
+    # ------------------------------------------------------------ prefix cache
+
+    def match_prefix(self, req: Request) -> list[int]:
+        """HBM blocks holding the longest cached prefix of a waiting request's tokens, in
+        whole blocks and short of its last token (that one is computed, for its logits)."""
+        if not self.caching or req.status is not Status.WAITING:
+            return []
+        num_max = (req.num_tokens - 1) // self.block_size
+        if num_max <= 0:
+            return []
+        self._hash(req, num_max)
+        hits: list[int] = []
+        for h in req.block_hashes[:num_max]:
+            b = self.hbm.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def attach_prefix(self, req: Request, num_new_tokens: int) -> int:
+        """Start a waiting request at its cached prefix (its first HBM blocks, shared);
+        returns the tokens it then computes of the `num_new_tokens` the policy gave it.
+        Room was checked by `blocks_to_admit`; hits are dropped from the tail if not."""
+        if not self.caching:
+            return num_new_tokens
+        hits = self.match_prefix(req)
+        num_hit = 0
+        while hits:
+            num_hit = len(hits) * self.block_size
+            num_tokens = num_hit + min(num_new_tokens, req.num_known - num_hit)
+            if self.hbm.can_allocate(self._blocks_with_hits(hits, num_tokens)):
+                break
+            hits.pop()
+            num_hit = 0
+        for b in hits:
+            self.hbm.revive(b)
+        req.hbm_blocks = hits
+        req.num_hashed_blocks = len(hits)
+        req.num_computed_tokens = num_hit
+        self.num_prefix_queries += req.num_tokens
+        self.num_prefix_hits += num_hit
+        if not req.has_emitted:
+            req.num_cached_tokens = num_hit
+        return min(num_new_tokens, req.num_known - num_hit)
+
+    def register(self, req: Request) -> None:
+        """Name `req`'s full HBM blocks of known tokens in the cache. Call it only for KV
+        planned in steps before the one being built (a step must not read a block that
+        the same step writes): at the start of a step, and when a request lets go of
+        its blocks (it is not scheduled in the step that preempts it)."""
+        if not self.caching:
+            return
+        num_full = min(req.num_computed_tokens, req.num_tokens, len(req.hbm_blocks) * self.block_size)
+        num_full //= self.block_size
+        if num_full <= req.num_hashed_blocks:
+            return
+        self._hash(req, num_full)
+        for i in range(req.num_hashed_blocks, num_full):
+            self.hbm.register(req.hbm_blocks[i], req.block_hashes[i])
+        req.num_hashed_blocks = num_full
+
+    def _hash(self, req: Request, num_blocks: int) -> None:
+        if len(req.block_hashes) < num_blocks:
+            extend_hashes(req.block_hashes, self.root, req.token_all(), self.block_size, num_blocks)
 
     def grow(self, req: Request, num_new_tokens: int) -> bool:
         need = self.blocks_needed(req, num_new_tokens)
@@ -51,8 +134,11 @@ class Memory:
         self.hbm.free(ids, busy_step if busy_step > self.done_through else None)
 
     def release_all(self, req: Request) -> None:
-        """Drop every copy of `req`'s KV (finish, abort, recompute)."""
+        """Drop every copy of `req`'s KV (finish, abort, recompute); its full HBM blocks
+        stay cached for a later hit."""
+        self.register(req)
         self.free_hbm(req, req.hbm_blocks)
+        req.num_hashed_blocks = 0
         self.dram.free(req.dram_blocks)
         req.hbm_blocks = []
         req.dram_blocks = []
@@ -74,7 +160,10 @@ class Memory:
 
     def preempt_swap(self, req: Request, step: Step) -> None:
         """Move `req` to DRAM: mirrored blocks are freed now, the rest is copied and freed
-        once the plan is done. Call `can_swap_out` first."""
+        once the plan is done (a block another request holds only loses a reference: it
+        is copied, never moved or freed). Call `can_swap_out` first."""
+        self.register(req)
+        req.num_hashed_blocks = 0
         num_mirrored = len(req.dram_blocks)
         src = req.hbm_blocks[num_mirrored:]
         dst = self.dram.allocate(len(src))
@@ -122,6 +211,7 @@ class Memory:
         self.dram.defer(src[num_keep:], step.step_id)
         req.dram_blocks = src[:num_keep]
         req.hbm_blocks = dst
+        req.num_hashed_blocks = 0
         req.table_reset = True
         req.status = Status.RUNNING
         req.swap_in_step = step.step_id

@@ -58,6 +58,12 @@ class Request:
     step_new_tokens: int = 0  # tokens planned in `scheduled_step`
     preempted_step: int = -1
     swap_in_step: int = -1  # its DRAM blocks are read and HBM blocks written in that step
+    # Prefix caching: chain hashes of its first full blocks of known tokens (prefix.py), how
+    # many of hbm_blocks have been offered to the cache, and the prompt tokens its first
+    # admission found cached (OpenAI usage.prompt_tokens_details.cached_tokens).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    num_cached_tokens: int = 0
     demand_blocks: int = 0  # blocks_for(num_known), summed by the core
     num_waiting_tokens: int = 0  # num_tokens while in the core's waiting queue, summed by the core
     finish_reason: str | None = None

@@ -28,10 +28,16 @@ class Overloaded(ValueError):
 
 
 class SchedulerCore:
-    def __init__(self, cfg: SchedulerConfig, num_hbm_blocks: int, num_dram_blocks: int, max_model_len: int):
+    def __init__(
+        self, cfg: SchedulerConfig, num_hbm_blocks: int, num_dram_blocks: int, max_model_len: int,
+        model_name: str = "",
+    ):
+        """`model_name` salts the prefix cache's block hashes."""
         self.cfg = cfg
         self.max_model_len = max_model_len
-        self.memory = Memory(num_hbm_blocks, num_dram_blocks, cfg.block_size, cfg.mirrors)
+        self.memory = Memory(
+            num_hbm_blocks, num_dram_blocks, cfg.block_size, cfg.mirrors, cfg.enable_prefix_caching, model_name
+        )
         self.requests: dict[str, Request] = {}  # live requests
         self.running: dict[str, Request] = {}
         # Paused requests, twice: by arrival (FCFS family) and by VLT lag key (LVF).
@@ -167,6 +173,8 @@ class SchedulerCore:
             free_hbm_at_start=memory.hbm.num_free,
             fits_all=self.num_demand_blocks <= memory.hbm.num_blocks,
         )
+        for req in self.running.values():
+            memory.register(req)  # blocks filled by earlier steps become hits for this one
         if cfg.policy == "lvf" and not step.fits_all:
             schedule_lvf(self, step)
         else:
@@ -225,6 +233,8 @@ class SchedulerCore:
             self.memory.swap_in(req, step)
             self.num_rotations_in += 1
             step.num_swapped_in_reqs += 1
+        else:
+            num_new_tokens = self.memory.attach_prefix(req, num_new_tokens)
         req.status = Status.RUNNING
         req.run_start = step.now
         req.num_outputs_at_run_start = len(req.output_token_ids)
@@ -293,6 +303,7 @@ class SchedulerCore:
             "num_queued": min(self.num_left_out, len(self.q_waiting) + len(self.q_rotary)),
             "num_hbm_blocks": m.hbm.num_blocks,
             "num_free_hbm_blocks": m.hbm.num_free,
+            "num_cached_hbm_blocks": m.hbm.num_cached,
             "num_dram_blocks": m.dram.num_blocks,
             "num_free_dram_blocks": m.dram.num_free,
             "num_demand_blocks": self.num_demand_blocks,
@@ -303,6 +314,8 @@ class SchedulerCore:
             "num_blocks_swapped_in": m.num_swapped_in,
             "num_blocks_swapped_out": m.num_swapped_out,
             "num_blocks_mirrored": m.num_mirrored,
+            "num_prefix_queries": m.num_prefix_queries,
+            "num_prefix_hits": m.num_prefix_hits,
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
             "num_steps": self.step_id,
