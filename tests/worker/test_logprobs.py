@@ -108,3 +108,26 @@ def test_min_tokens_masks_the_stop_tokens(make_runner, chat_prompts):
     longer = _first_tokens(make_runner, prompt, eos + 8, stop_token_ids=[2], min_tokens=eos + 3)
     assert longer[:eos] == plain[:eos]
     assert 2 not in longer[: eos + 3]
+
+
+def test_prompt_logprobs_survive_a_recompute_and_a_resubmission(make_runner, chat_prompts):
+    """Preempted mid-prefill and recomputed from 0: the prompt is scored afresh, once, and
+    equals an undisturbed run's. A resubmission that carries outputs (failover) has had its
+    prompt's logprobs sent already: it sends none, and its next token's logprobs are the
+    same as the undisturbed run's."""
+    prompt = chat_prompts[2]
+    n = len(prompt)
+    want = [o for o in run_chunked(make_runner(), greedy("r", prompt, logprobs=2, prompt_logprobs=1), 2, 100) if o.token_ids]
+    runner = make_runner()
+    runner.add_requests([greedy("r", prompt, logprobs=2, prompt_logprobs=1)])
+    table = list(range(blocks_for(n + 2)))
+    assert runner.execute_step([ScheduledRequest("r", 0, n // 2, block_table=table)]).token_ids == []
+    first = runner.execute_step([ScheduledRequest("r", 0, n, block_table=table)])  # the restart
+    assert first.prompt_logprobs == want[0].prompt_logprobs and first.logprobs == want[0].logprobs
+    again = make_runner()
+    resubmitted = greedy("r", prompt, logprobs=2, prompt_logprobs=1)
+    resubmitted.output_token_ids = list(first.token_ids)
+    again.add_requests([resubmitted])
+    second = again.execute_step([ScheduledRequest("r", 0, n + 1, block_table=table)])
+    assert second.prompt_logprobs == {} and second.token_ids == want[1].token_ids
+    assert abs(second.logprobs["r"].logprob - want[1].logprobs["r"].logprob) < 1e-4
