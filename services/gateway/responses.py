@@ -1,8 +1,9 @@
 """Response bodies of the two generation endpoints, whole and as SSE chunks.
 
 A `Format` knows only how to wrap text (and, when asked, the pieces' logprobs and the echoed
-prompt); `respond_full` and `respond_stream` know only how to drain pieces. Streaming waits for the first piece before sending headers, so an error
-the scheduler reports up front (overloaded, invalid) still gets its own HTTP status.
+prompt); `respond_full` and `respond_stream` know only how to drain pieces. Streaming waits
+for the first piece before sending headers, so an error the scheduler reports up front
+(overloaded, invalid) still gets its own HTTP status.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ def run_chunked(runner: ModelRunner, req: NewRequestData, num_new: int, chunk: i
     outs, start = [], 0
     while start < n:
         size = min(chunk, n - start)
-        outs.append(runner.execute_step([ScheduledRequest(req.request_id, start, size, block_table=table if start == 0 else None)]))
+        first = table if start == 0 else None
+        outs.append(runner.execute_step([ScheduledRequest(req.request_id, start, size, block_table=first)]))
         start += size
     while len(outs[-1].token_ids) and len(runner.token_ids(req.request_id)) < n + num_new:
         known = len(runner.token_ids(req.request_id))
@@ -117,7 +118,8 @@ def test_prompt_logprobs_survive_a_recompute_and_a_resubmission(make_runner, cha
     same as the undisturbed run's."""
     prompt = chat_prompts[2]
     n = len(prompt)
-    want = [o for o in run_chunked(make_runner(), greedy("r", prompt, logprobs=2, prompt_logprobs=1), 2, 100) if o.token_ids]
+    undisturbed = run_chunked(make_runner(), greedy("r", prompt, logprobs=2, prompt_logprobs=1), 2, chunk=100)
+    want = [o for o in undisturbed if o.token_ids]
     runner = make_runner()
     runner.add_requests([greedy("r", prompt, logprobs=2, prompt_logprobs=1)])
     table = list(range(blocks_for(n + 2)))
