@@ -40,6 +40,29 @@ class SamplingParams(_Data):
     # Generation stops when one of these is sampled (EOS and the model's end-of-turn ids).
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    # Log probabilities, of the model's own distribution (vLLM's default, "raw"): before
+    # penalties, bias, temperature and top-k/top-p. None: not asked; k >= 0: the token's own
+    # and the k most likely. `prompt_logprobs` scores every prompt token after the first.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Logit processors, in vLLM's order and semantics: until `min_tokens` are out the stop
+    # tokens are masked; `logit_bias` is added; `repetition_penalty` divides positive logits
+    # (multiplies negative ones) of tokens seen in the prompt or the output; `frequency_penalty`
+    # (per occurrence) and `presence_penalty` (once) are subtracted for tokens of the output.
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = {}
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+
+class TokenLogprobs(_Data):
+    """One position: the log probability of its token and those of the k most likely tokens
+    (most likely first)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class SLO(_Data):
@@ -94,6 +117,10 @@ class TokenOutput(_Data):
     finish_reason: str | None = None
     # On the final output only: where the request's time went at the scheduler.
     attribution: Attribution | None = None
+    # One per token of `token_ids` when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] = []
+    # With the first token, when asked: prompt tokens 1.. (the first has no logprob).
+    prompt_logprobs: list[TokenLogprobs] = []
 
 
 class StepOutputs(_Msg, tag="out"):
@@ -210,6 +237,10 @@ class StepResult(_Msg, tag="result"):
     request_ids: list[str] = []
     token_ids: list[int] = []
     timings: StepTimings = msgspec.field(default_factory=StepTimings)
+    # Only for the requests that asked: the sampled token's logprobs, and the prompt's
+    # (once, in the step that samples the first token).
+    logprobs: dict[str, TokenLogprobs] = {}
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
 
 class WorkerError(_Msg, tag="worker_error"):

@@ -7,7 +7,8 @@ context window is checked in params.py, the body size in app.py. The same types 
 the OpenAPI document. Every field OpenAI documents is either honoured, refused when it asks for
 something we do not implement (unsupported.py: a 400 naming it), or one that asks nothing of
 the output (`user`, `metadata`, `safety_identifier`, the prompt-cache hints), accepted; a field
-nobody documents is ignored. Extensions beyond OpenAI: `top_k`, `ignore_eos`, `stop_token_ids` (vLLM's), `slo` (per-request latency targets in
+nobody documents is ignored. Extensions beyond OpenAI: `top_k`, `ignore_eos`, `stop_token_ids`,
+`repetition_penalty`, `min_tokens` (vLLM's), `slo` (per-request latency targets in
 milliseconds) and `superinfer` (what to report beyond OpenAI's response).
 """
 
@@ -28,6 +29,7 @@ MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary means "off"; the bound keeps it
 # Positive temperatures below this sample as greedy: logits / T would overflow to inf (and
 # softmax to NaN) for tiny T, and they pick the argmax anyway.
 MIN_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for chat, vLLM's default)
 T = TypeVar("T", "ChatCompletionRequest", "CompletionRequest")
 _INT64 = Meta(ge=-(2**63), le=2**63 - 1)
 
@@ -38,6 +40,9 @@ MaxTokens = Annotated[int, Meta(ge=1)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)]
 Milliseconds = Annotated[float, Meta(gt=0.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 
 
 class StreamOptions(Struct):
@@ -100,6 +105,11 @@ class _Sampling(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None  # vLLM's
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None  # vLLM's
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None  # vLLM's
     slo: SLOSpec | None = None
     superinfer: Extensions | None = None
     # Accepted: they ask nothing of the output.
@@ -110,14 +120,7 @@ class _Sampling(Struct, kw_only=True):
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
     # Refused unless they ask for nothing (unsupported.py).
-    frequency_penalty: Refused = None
-    presence_penalty: Refused = None
-    logit_bias: Refused = None
-    logprobs: Refused = None
-    echo: Refused = None
-    repetition_penalty: Refused = None
     min_p: Refused = None
-    min_tokens: Refused = None
     include_stop_str_in_output: Refused = None
     skip_special_tokens: Refused = None
     prompt_logprobs: Refused = None
@@ -135,7 +138,8 @@ class _Sampling(Struct, kw_only=True):
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
-    top_logprobs: Refused = None
+    logprobs: bool | None = None
+    top_logprobs: NumLogprobs | None = None  # needs logprobs: true
     response_format: Refused = None
     tools: Refused = None
     tool_choice: Refused = None
@@ -156,6 +160,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     # A string, a list holding one string, or token ids (also as a list of one id list).
     prompt: str | list[str | int | list[int]]
+    # 0 scores the prompt without generating (with echo; params.py checks).
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
+    logprobs: NumLogprobs | None = None  # the sampled token's and this many alternatives
+    echo: bool | None = None
     best_of: Refused = None
     suffix: Refused = None
 
@@ -180,11 +188,35 @@ class AssistantMessage(Struct):
     role: str = "assistant"
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(Struct):
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -206,7 +238,7 @@ class ChatChunkChoice(Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct):
@@ -223,7 +255,7 @@ class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(Struct):

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import random
 import time
@@ -31,6 +32,7 @@ from services.gateway.api import (
 from services.gateway.detokenizer import TextStream
 from services.gateway.errors import ApiError, internal
 from services.gateway.generate import Timing, WithAttribution, generate
+from services.gateway.logprobs import ChatLogprobsView, CompletionLogprobsView
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.responses import ChatFormat, CompletionFormat, respond_full, respond_stream
@@ -124,6 +126,8 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     req = decode_request(body, ep.request_type)
     model = _check_model(req.model, state)
     stop_ids = params.stop_token_ids(req, state.tokenizer.stop_token_ids, state.tokenizer.vocab_size)
+    params.check_combinations(req)
+    bias = params.logit_bias(req, state.tokenizer.vocab_size)
     # Off the event loop: a long prompt takes a while, and every stream's next token waits on the loop.
     prompt_ids = await asyncio.to_thread(ep.prompt_ids, req, state.tokenizer)
     # Picked after that await, and nothing awaits from here to submit(): a scheduler lost
@@ -131,10 +135,10 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     link = state.client.pick()
     max_len = state.max_model_len(link.stats.max_model_len)
     default_seed = state.default_seed() if req.seed is None else None
-    prep = params.prepare(req, prompt_ids, max_len, stop_ids, default_seed)
+    prep = params.prepare(req, prompt_ids, max_len, stop_ids, default_seed, bias)
     add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)
     text = TextStream(state.tokenizer.decode, prep.stop, prompt_ids)
-    fmt = ep.format(request_id, model)
+    fmt = _format(ep, request_id, model, req, prep, state.tokenizer)
     if req.wants_attribution:
         fmt = WithAttribution(fmt, timing)
     handle = state.client.submit(add, link)
@@ -142,12 +146,24 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
         "request_accepted", num_prompt_tokens=len(prompt_ids), max_tokens=prep.params.max_tokens, stream=prep.stream
     )
     try:
-        async with aclosing(generate(state.client, handle, text, timing)) as pieces:
+        async with aclosing(generate(state.client, handle, text, timing, prep.num_hidden_tokens > 0)) as pieces:
             if prep.stream:
                 return await respond_stream(request, pieces, fmt, len(prompt_ids), prep.include_usage)
             return await respond_full(pieces, fmt, len(prompt_ids))
     finally:
         _finished(state, timing, len(prompt_ids))
+
+
+def _format(ep: Endpoint, request_id: str, model: str, req, prep: params.Prepared, tok: ModelTokenizer):
+    """The response format, with the logprobs view and the echoed prompt the request asked for."""
+    decode = functools.partial(tok.decode, skip_special_tokens=False)  # a token's own text, as vLLM shows it
+    k = prep.top_logprobs
+    if ep.format is ChatFormat:
+        return ChatFormat(request_id, model, None if k is None else ChatLogprobsView(decode, k))
+    echo = None
+    if prep.echo:
+        echo = (req.prompt if isinstance(req.prompt, str) else tok.decode(prep.prompt_ids), prep.prompt_ids)
+    return CompletionFormat(request_id, model, None if k is None else CompletionLogprobsView(decode, k), echo)
 
 
 def _finished(state: GatewayState, timing: Timing, num_prompt: int) -> None:

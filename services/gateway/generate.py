@@ -8,15 +8,16 @@ so an abandoned request never keeps its KV blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from services.gateway.api import Reported
 from services.gateway.detokenizer import TextStream
 from services.gateway.errors import from_scheduler, internal
 from services.gateway.scheduler_client import RequestHandle, SchedulerClient
-from shared.protocol import Attribution, RequestError
+from shared.protocol import Attribution, RequestError, TokenLogprobs, TokenOutput
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,11 @@ class Piece:
     text: str
     num_tokens: int  # tokens this piece adds to the completion
     finish_reason: str | None = None
+    # When the request asked for logprobs: its tokens and their logprobs (one each), and,
+    # on the first piece only when asked, the prompt's (from its second token on).
+    token_ids: Sequence[int] = ()
+    logprobs: Sequence[TokenLogprobs] = ()
+    prompt_logprobs: Sequence[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -43,22 +49,37 @@ class Timing:
 
 
 async def generate(
-    client: SchedulerClient, handle: RequestHandle, text: TextStream, timing: Timing
+    client: SchedulerClient, handle: RequestHandle, text: TextStream, timing: Timing, scoring_only: bool = False
 ) -> AsyncIterator[Piece]:
+    """`scoring_only` (max_tokens 0 with echo): the one token generated is not reported; the
+    request ends with it, as "length", carrying the prompt's logprobs."""
     try:
         while True:
             reply = await handle.get()
             if isinstance(reply, RequestError):
                 raise from_scheduler(reply)
-            timing.on_tokens(len(reply.token_ids))
             timing.attribution = reply.attribution or timing.attribution
-            piece = _piece(reply.token_ids, reply.finish_reason, text)
+            if scoring_only:
+                if reply.finish_reason == "abort":
+                    raise internal("the scheduler aborted this request")
+                piece = Piece("", 0, "length", prompt_logprobs=reply.prompt_logprobs)
+            else:
+                timing.on_tokens(len(reply.token_ids))
+                piece = _with_logprobs(_piece(reply.token_ids, reply.finish_reason, text), reply)
             timing.finish_reason = piece.finish_reason
             yield piece
             if piece.finish_reason is not None:
                 return
     finally:
         client.abort(handle.request_id)
+
+
+def _with_logprobs(piece: Piece, reply: TokenOutput) -> Piece:
+    if not reply.logprobs and not reply.prompt_logprobs:
+        return piece
+    return dataclasses.replace(
+        piece, token_ids=reply.token_ids, logprobs=reply.logprobs, prompt_logprobs=reply.prompt_logprobs or None
+    )
 
 
 def _piece(token_ids: list[int], finish_reason: str | None, text: TextStream) -> Piece:
@@ -86,18 +107,21 @@ class WithAttribution:
     def __init__(self, fmt, timing: Timing) -> None:
         self.fmt, self.timing = fmt, timing
 
-    def whole(self, text, finish_reason, usage):
-        return self._add(self.fmt.whole(text, finish_reason, usage))
+    def whole(self, text, finish_reason, usage, pieces=()):
+        return self._add(self.fmt.whole(text, finish_reason, usage, pieces))
 
     def opening(self):
         return self.fmt.opening()
 
-    def chunk(self, text, finish_reason):
-        body = self.fmt.chunk(text, finish_reason)
+    def chunk(self, text, finish_reason, piece=None):
+        body = self.fmt.chunk(text, finish_reason, piece)
         return body if finish_reason is None else self._add(body)
 
     def usage_chunk(self, usage):
         return self.fmt.usage_chunk(usage)
+
+    def has_news(self, piece):
+        return self.fmt.has_news(piece)
 
     def _add(self, body):
         att = self.timing.attribution

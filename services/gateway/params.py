@@ -4,10 +4,12 @@ parameters, SLO, plus the stop strings the gateway itself enforces.
 Everything here is pure and raises `ApiError` (400, naming the `param`) for what the body
 alone cannot decide: content that is not text, token ids outside the vocabulary, an empty
 prompt, and a prompt plus max_tokens beyond the context window (OpenAI's
-`context_length_exceeded`, in vLLM's words). Decoding (api.py) checked the rest: max_tokens
->= 1, at most MAX_STOP_STRINGS non-empty stop strings of at most MAX_STOP_CHARS characters,
-temperature, top_p, top_k and seed ranges, at least one message, n = 1, and no field we do
-not implement.
+`context_length_exceeded`, in vLLM's words), logit_bias ids outside the vocabulary, and
+combinations (top_logprobs without logprobs, min_tokens above max_tokens, max_tokens 0
+without echo). Decoding (api.py) checked the rest: max_tokens >= 1 (0 on completions),
+at most MAX_STOP_STRINGS non-empty stop strings of at most MAX_STOP_CHARS characters,
+temperature, top_p, top_k, seed, penalty, bias and logprobs ranges, at least one message,
+n = 1, and no field we do not implement.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class Prepared:
     stop: list[str]
     stream: bool
     include_usage: bool
+    top_logprobs: int | None = None  # alternatives per token to report; None: no logprobs
+    echo: bool = False  # completions: the prompt comes first in the text (and its logprobs)
+    # max_tokens 0 (completions with echo): one token is generated for the prompt's
+    # logprobs to come back with, and is not reported.
+    num_hidden_tokens: int = 0
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -141,23 +148,73 @@ def stop_token_ids(req: Request, model_stop_ids: list[int], vocab_size: int) -> 
     return list(dict.fromkeys([*model_stop_ids, *asked]))
 
 
+def logit_bias(req: Request, vocab_size: int) -> dict[int, float]:
+    """`logit_bias` with token ids as ints; 400 for a key that is not a token id."""
+    out = {}
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size:
+            message = f"logit_bias key {key!r} is not a token id (0..{vocab_size - 1})"
+            raise bad_request(message, param="logit_bias")
+        out[token] = float(bias)
+    return out
+
+
+def check_combinations(req: Request) -> None:
+    """400 for fields that are valid alone and not together."""
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if isinstance(req, CompletionRequest) and req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens 0 needs echo (it scores the prompt)", param="max_tokens")
+    if req.min_tokens and req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        message = f"min_tokens ({req.min_tokens}) is above max_tokens ({req.max_tokens})"
+        raise bad_request(message, param="min_tokens")
+
+
+def top_logprobs(req: Request) -> int | None:
+    """How many alternatives to report per token; None: no logprobs at all."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
 def prepare(
     req: Request,
     prompt_ids: list[int],
     max_model_len: int,
     stop_token_ids: list[int],
     default_seed: int | None = None,
+    bias: dict[int, float] | None = None,
 ) -> Prepared:
-    """The scheduler's view of a request whose prompt is already tokenized; `default_seed`
-    is the seed of a request that gives none (--seed)."""
+    """The scheduler's view of a request whose prompt is already tokenized and whose fields
+    passed `check_combinations`; `default_seed` is the seed of a request that gives none
+    (--seed); `bias` is `logit_bias(req, ...)`."""
+    echo = bool(getattr(req, "echo", False))
+    num_hidden = 1 if req.max_tokens == 0 else 0  # decoding let 0 through on completions only
+    k = top_logprobs(req)
     params = SamplingParams(
-        max_tokens=max_new_tokens(req, len(prompt_ids), max_model_len),
+        max_tokens=max_new_tokens(req, len(prompt_ids) + num_hidden, max_model_len) + num_hidden,
         temperature=temperature(req),
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
         seed=req.seed if req.seed is not None else default_seed,
         stop_token_ids=list(stop_token_ids),
         ignore_eos=req.ignore_eos,
+        logprobs=k,
+        prompt_logprobs=k if echo else None,
+        min_tokens=req.min_tokens or 0,
+        logit_bias=bias or {},
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
     )
+    if params.min_tokens > params.max_tokens:  # max_tokens not given: the context's room
+        message = f"min_tokens ({params.min_tokens}) is above the {params.max_tokens} tokens the context has room for"
+        raise bad_request(message, param="min_tokens")
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    return Prepared(prompt_ids, params, to_slo(req.slo), stop_strings(req), req.stream, include_usage)
+    return Prepared(
+        prompt_ids, params, to_slo(req.slo), stop_strings(req), req.stream, include_usage, k, echo, num_hidden
+    )

@@ -1,8 +1,9 @@
 """Response bodies of the two generation endpoints, whole and as SSE chunks.
 
-A `Format` knows only how to wrap text; `respond_full` and `respond_stream` know only how
-to drain pieces. Streaming waits for the first piece before sending headers, so an error
-the scheduler reports up front (overloaded, invalid) still gets its own HTTP status.
+A `Format` knows only how to wrap text (and, when asked, the pieces' logprobs and the echoed
+prompt); `respond_full` and `respond_stream` know only how to drain pieces. Streaming waits
+for the first piece before sending headers, so an error the scheduler reports up front
+(overloaded, invalid) still gets its own HTTP status.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from services.gateway.api import (
 )
 from services.gateway.errors import ApiError
 from services.gateway.generate import Piece
+from services.gateway.logprobs import ChatLogprobsView, CompletionLogprobsView, join
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 log = structlog.get_logger()
@@ -38,26 +40,40 @@ def usage(num_prompt: int, num_output: int) -> Usage:
 
 
 class Format(Protocol):
-    def whole(self, text: str, finish_reason: str | None, usage: Usage): ...
+    def whole(self, text: str, finish_reason: str | None, usage: Usage, pieces: list[Piece]): ...
     def opening(self): ...  # first chunk, before any text (None: nothing to send)
-    def chunk(self, text: str, finish_reason: str | None): ...
+    def chunk(self, text: str, finish_reason: str | None, piece: Piece | None): ...
     def usage_chunk(self, usage: Usage): ...
+    def has_news(self, piece: Piece) -> bool: ...  # a chunk is due even without text
+
+
+def _tokens(pieces: list[Piece]) -> tuple[list[int], list]:
+    return [t for p in pieces for t in p.token_ids], [lp for p in pieces for lp in p.logprobs]
 
 
 class ChatFormat:
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, logprobs: ChatLogprobsView | None = None) -> None:
         self.id, self.model, self.created = request_id, model, int(time.time())
+        self.logprobs = logprobs
 
-    def whole(self, text, finish_reason, usage) -> ChatCompletion:
+    def whole(self, text, finish_reason, usage, pieces=()) -> ChatCompletion:
         choice = ChatChoice(index=0, message=AssistantMessage(content=text), finish_reason=finish_reason)
+        if self.logprobs is not None:
+            choice.logprobs = self.logprobs.render(*_tokens(pieces))
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
 
     def opening(self) -> ChatCompletionChunk:
         return self._chunk([ChatChunkChoice(index=0, delta=Delta(role="assistant", content=""))])
 
-    def chunk(self, text, finish_reason) -> ChatCompletionChunk:
+    def chunk(self, text, finish_reason, piece=None) -> ChatCompletionChunk:
         delta = Delta(content=text) if text else Delta()
-        return self._chunk([ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)])
+        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)
+        if self.logprobs is not None and piece is not None:
+            choice.logprobs = self.logprobs.render(*_tokens([piece]))
+        return self._chunk([choice])
+
+    def has_news(self, piece: Piece) -> bool:
+        return self.logprobs is not None and bool(piece.token_ids)
 
     def usage_chunk(self, usage) -> ChatCompletionChunk:
         return self._chunk([], usage)
@@ -67,17 +83,51 @@ class ChatFormat:
 
 
 class CompletionFormat:
-    def __init__(self, request_id: str, model: str) -> None:
-        self.id, self.model, self.created = request_id, model, int(time.time())
+    """With `echo` (the prompt's text and ids), the prompt comes first: in the whole text, or
+    in the first chunk; with logprobs too, the prompt's tokens lead the logprobs."""
 
-    def whole(self, text, finish_reason, usage) -> Completion:
-        return self._body([CompletionChoice(index=0, text=text, finish_reason=finish_reason)], usage)
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        logprobs: CompletionLogprobsView | None = None,
+        echo: tuple[str, list[int]] | None = None,
+    ) -> None:
+        self.id, self.model, self.created = request_id, model, int(time.time())
+        self.logprobs = logprobs
+        self.echo = echo  # cleared once sent
+
+    def whole(self, text, finish_reason, usage, pieces=()) -> Completion:
+        choice = CompletionChoice(index=0, text=self._echoed(text), finish_reason=finish_reason)
+        choice.logprobs = self._logprobs(pieces)
+        return self._body([choice], usage)
 
     def opening(self) -> None:
         return None
 
-    def chunk(self, text, finish_reason) -> Completion:
-        return self._body([CompletionChoice(index=0, text=text, finish_reason=finish_reason)])
+    def chunk(self, text, finish_reason, piece=None) -> Completion:
+        choice = CompletionChoice(index=0, text=self._echoed(text), finish_reason=finish_reason)
+        choice.logprobs = self._logprobs([piece] if piece is not None else [])
+        return self._body([choice])
+
+    def has_news(self, piece: Piece) -> bool:
+        return self.echo is not None or (self.logprobs is not None and bool(piece.token_ids))
+
+    def _echoed(self, text: str) -> str:
+        return text if self.echo is None else self.echo[0] + text
+
+    def _logprobs(self, pieces: list[Piece]):
+        """Rendered in text order (the view keeps the text offset): the prompt's, once, first."""
+        if self.logprobs is None:
+            self.echo = None
+            return None
+        parts = []
+        if self.echo is not None:
+            prompt = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), [])
+            parts.append(self.logprobs.render_prompt(self.echo[1], list(prompt)))
+        self.echo = None
+        parts.append(self.logprobs.render(*_tokens(pieces)))
+        return join(parts)
 
     def usage_chunk(self, usage) -> Completion:
         return self._body([], usage)
@@ -87,12 +137,13 @@ class CompletionFormat:
 
 
 async def respond_full(pieces: AsyncIterator[Piece], fmt: Format, num_prompt: int) -> web.Response:
-    texts, num_output, finish = [], 0, None
+    texts, num_output, finish, all_pieces = [], 0, None, []
     async for p in pieces:
         texts.append(p.text)
         num_output += p.num_tokens
         finish = p.finish_reason
-    body = fmt.whole("".join(texts), finish, usage(num_prompt, num_output))
+        all_pieces.append(p)
+    body = fmt.whole("".join(texts), finish, usage(num_prompt, num_output), all_pieces)
     return web.Response(body=encode_json(body), content_type="application/json")
 
 
@@ -124,8 +175,8 @@ async def _write_events(resp, first, pieces, fmt: Format, num_prompt: int, inclu
             await resp.write(sse(opening))
         async for p in _chain(first, pieces):
             num_output += p.num_tokens
-            if p.text or p.finish_reason:
-                await resp.write(sse(fmt.chunk(p.text, p.finish_reason)))
+            if p.text or p.finish_reason or fmt.has_news(p):
+                await resp.write(sse(fmt.chunk(p.text, p.finish_reason, p)))
         if include_usage:
             await resp.write(sse(fmt.usage_chunk(usage(num_prompt, num_output))))
     except ApiError as e:  # headers are gone: the error travels as an event

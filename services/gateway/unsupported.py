@@ -1,6 +1,6 @@
 """Request fields we know and do not implement: each is refused with a 400 naming it, unless
 its value asks for nothing (null, or the no-op default clients send anyway, such as
-`"presence_penalty": 0` or `"response_format": {"type": "text"}`). None is accepted and dropped.
+`"best_of": 1` or `"response_format": {"type": "text"}`). None is accepted and dropped.
 
 The structs in api.py declare these fields (type `Refused`, any JSON), so that the body is
 decoded once; `refusal` is the check `decode_request` runs on the decoded request. The fields
@@ -20,12 +20,6 @@ from services.gateway.errors import ApiError, bad_request
 # extensions that change the output.
 NO_OP: dict[str, tuple] = {
     # sampling and scoring
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
-    "logprobs": (False,),  # chat: a bool; completions: an int, where 0 asks for the sampled token's
-    "top_logprobs": (0,),
-    "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
     # output formats, tools and other products
@@ -44,9 +38,7 @@ NO_OP: dict[str, tuple] = {
     "store": (False,),
     "service_tier": ("auto", "default"),
     # vLLM's sampling extensions
-    "repetition_penalty": (1,),
     "min_p": (0,),
-    "min_tokens": (0,),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "prompt_logprobs": (),

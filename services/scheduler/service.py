@@ -63,7 +63,7 @@ def _out_of_vocab(req: p.AddRequest, vocab_size: int) -> str | None:
     (and with it every request in that step): refuse it here, alone. 0: not reported."""
     if not vocab_size:
         return None
-    for t in (*req.prompt_token_ids, *req.output_token_ids):
+    for t in (*req.prompt_token_ids, *req.output_token_ids, *req.params.logit_bias):
         if not 0 <= t < vocab_size:
             return f"token id {t} is outside the model's vocabulary (0..{vocab_size - 1})"
     return None

@@ -11,18 +11,19 @@ rank 0 computes logits and samples, and the others take its token ids (tp.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from services.worker.attention import build_metadata
+from services.worker.logits import process_row, raw_logprobs, token_logprobs, wants_processing
 from services.worker.model import LlamaModel
 from services.worker.sampler import draw_seed, make_generator, request_seed, sample
 from services.worker.tp import TPGroup, shard_config, shard_weights
 from services.worker.weights import load_weights
 from shared.modelfile import ModelConfig, read_model_config
-from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
+from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest, TokenLogprobs
 
 
 def load_model(
@@ -60,6 +61,25 @@ class _Request:
     generator: torch.Generator | None
     seed: int
     block_table: list[int]
+    num_prompt: int
+    processed: bool  # a logit processor applies (logits.wants_processing)
+    # Prompt logprobs still to be scored (asked, and not yet sent with a first token), and
+    # those scored so far, one per prompt token from the second on.
+    scores_prompt: bool
+    # Anything beyond plain sampling: logprobs, prompt logprobs or a processor (fixed at add).
+    asks: bool
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class StepTokens:
+    """One step's results: a sampled token per request that reached the end of its known
+    tokens, in plan order; logprobs only for the requests that asked."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -92,6 +112,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.group = group
         self._requests: dict[str, _Request] = {}
+        self._num_asking = 0  # requests whose `asks`: while 0, a step is plain sampling
 
     # ------------------------------------------------------------ request state
 
@@ -99,17 +120,27 @@ class ModelRunner:
         for r in new:
             if r.request_id in self._requests:
                 raise ValueError(f"request {r.request_id!r} is already known")
-            self._requests[r.request_id] = _Request(
+            p = r.params
+            processed = wants_processing(p)
+            req = self._requests[r.request_id] = _Request(
                 token_ids=list(r.prompt_token_ids) + list(r.output_token_ids),
-                params=r.params,
-                generator=make_generator(r.params, self.device),
-                seed=request_seed(r.params),
+                params=p,
+                generator=make_generator(p, self.device),
+                seed=request_seed(p),
                 block_table=[],
+                num_prompt=len(r.prompt_token_ids),
+                processed=processed,
+                # A resubmission with outputs already sent its prompt's logprobs with the first.
+                scores_prompt=p.prompt_logprobs is not None and not r.output_token_ids,
+                asks=processed or p.logprobs is not None or p.prompt_logprobs is not None,
             )
+            self._num_asking += req.asks
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._requests.pop(rid, None)
+            req = self._requests.pop(rid, None)
+            if req is not None:
+                self._num_asking -= req.asks
 
     def request_ids(self) -> list[str]:
         return list(self._requests)
@@ -140,8 +171,13 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[str], list[int]]:
         """Run one step; returns (request ids, sampled token ids) in the order of `scheduled`."""
+        out = self.execute_step(scheduled)
+        return out.request_ids, out.token_ids
+
+    def execute_step(self, scheduled: list[ScheduledRequest]) -> StepTokens:
+        """Run one step: `execute`, with the logprobs of the requests that asked."""
         if not scheduled:
-            return [], []
+            return StepTokens([], [])
         _check_unique(scheduled)
         for s in scheduled:
             self._apply_block_changes(s)
@@ -151,25 +187,72 @@ class ModelRunner:
         token_ids, positions, sample_rows, sampled = self._inputs(step, reqs)
         chosen = [reqs[i] for i in sampled]
         samples_here = self.group is None or self.group.is_driver
+        scored = self._prompt_rows(step, reqs) if self._num_asking and samples_here else []
+        logit_rows = sample_rows + [row for _, row, _ in scored] if samples_here else []
+        out = StepTokens([], [])
         with torch.inference_mode():
-            logits = self._forward(step, reqs, token_ids, positions, sample_rows if samples_here else [])  # [S, V]
-            new_tokens = self._sample(logits, chosen) if samples_here else None
+            logits = self._forward(step, reqs, token_ids, positions, logit_rows)  # [S + P, V]
+            if scored:
+                self._score_prompts(logits[len(sample_rows) :], scored)
+            chosen_ids = [step[i].request_id for i in sampled]
+            new_tokens = self._sample(logits[: len(sample_rows)], chosen, chosen_ids, out) if samples_here else None
         if self.group is not None:
             new_tokens = self.group.broadcast_tokens(new_tokens, len(chosen))
         for r, t in zip(chosen, new_tokens):
             r.token_ids.append(t)
         by_request = {step[i].request_id: t for i, t in zip(sampled, new_tokens)}
-        ids = [s.request_id for s in scheduled if s.request_id in by_request]
-        return ids, [by_request[rid] for rid in ids]
+        out.request_ids = [s.request_id for s in scheduled if s.request_id in by_request]
+        out.token_ids = [by_request[rid] for rid in out.request_ids]
+        return out
 
-    def _sample(self, logits: torch.Tensor, chosen: list[_Request]) -> list[int]:
-        """logits: [S, V], one row per chosen request."""
-        return sample(
+    def _sample(self, logits: torch.Tensor, chosen: list[_Request], ids: list[str], out: StepTokens) -> list[int]:
+        """logits: [S, V], one row per chosen request (processed in place for those that
+        ask); the logprobs of those that ask go into `out`."""
+        asking = [i for i, r in enumerate(chosen) if r.asks] if self._num_asking else []
+        want_logprobs = [i for i in asking if chosen[i].params.logprobs is not None]
+        raw = raw_logprobs(logits[want_logprobs]) if want_logprobs else None  # before any processing
+        for i in asking:
+            r = chosen[i]
+            if r.processed:
+                process_row(logits[i], r.params, r.token_ids, r.num_prompt)
+        tokens = sample(
             logits,
             [r.params for r in chosen],
             [r.generator for r in chosen],
             [draw_seed(r.seed, len(r.token_ids)) for r in chosen],
         )
+        if raw is not None:
+            ks = [chosen[i].params.logprobs for i in want_logprobs]
+            for i, lp in zip(want_logprobs, token_logprobs(raw, [tokens[i] for i in want_logprobs], ks)):
+                out.logprobs[ids[i]] = lp
+        for i in asking:
+            r = chosen[i]
+            if r.scores_prompt:  # its prompt is complete: send what was scored, once
+                out.prompt_logprobs[ids[i]] = r.prompt_logprobs
+                r.scores_prompt, r.prompt_logprobs = False, []
+        return tokens
+
+    def _prompt_rows(self, step: list[ScheduledRequest], reqs: list[_Request]) -> list[tuple[_Request, int, int]]:
+        """(request, row of the flattened step, the prompt token that row's logits predict)
+        for every prompt position this step computes whose next token is a prompt token,
+        of the requests that still score their prompt."""
+        out = []
+        base = 0
+        for s, r in zip(step, reqs):
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            if r.scores_prompt:
+                if start == 0:
+                    r.prompt_logprobs = []  # a recompute restart scores the prompt afresh
+                out += [(r, base + p - start, r.token_ids[p + 1]) for p in range(start, min(end, r.num_prompt - 1))]
+            base += end - start
+        return out
+
+    def _score_prompts(self, logits: torch.Tensor, scored: list[tuple[_Request, int, int]]) -> None:
+        """logits: [P, V], one row per entry of `scored`, in order."""
+        ks = [r.params.prompt_logprobs for r, _, _ in scored]
+        lps = token_logprobs(raw_logprobs(logits), [t for _, _, t in scored], ks)
+        for (r, _, _), lp in zip(scored, lps):
+            r.prompt_logprobs.append(lp)
 
     def _forward(self, step, reqs, token_ids, positions, sample_rows) -> torch.Tensor:
         meta = build_metadata(

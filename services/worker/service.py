@@ -96,7 +96,7 @@ class StepExecutor:
             self._computing_blocks = self.runner.blocks_touched(plan.scheduled)
         t1 = time.perf_counter()
         stalled = swap_in.fence_in()
-        ids, tokens = self.runner.execute(plan.scheduled)
+        tokens = self.runner.execute_step(plan.scheduled)
         t2 = time.perf_counter()
         out.wait_out()
         t3 = time.perf_counter()
@@ -107,14 +107,16 @@ class StepExecutor:
         moved = plan.swap_in or plan.swap_out or plan.eager
         return p.StepResult(
             plan.step_id,
-            ids,
-            tokens,
+            tokens.request_ids,
+            tokens.token_ids,
             p.StepTimings(
                 transfer_s=(t3 - started) - compute_s if moved else 0.0,
                 compute_s=compute_s,
                 transfer_wait_s=wait_s,
                 plan_wait_s=plan_wait_s,
             ),
+            tokens.logprobs,
+            tokens.prompt_logprobs,
         )
 
 

@@ -69,10 +69,10 @@ def test_malformed_bodies_are_400(body):
 def test_unknown_fields_and_no_op_defaults_are_accepted():
     """Fields nobody documents are ignored; known ones we do not implement pass only with a
     value that asks for nothing (tests/gateway/test_fields.py walks them all)."""
-    req = chat(vendor_field=0.5, frequency_penalty=0, logit_bias={}, response_format={"type": "text"})
+    req = chat(vendor_field=0.5, min_p=0, best_of=1, response_format={"type": "text"})
     assert req.messages[0].content == "hi"
-    e = refused(chat, frequency_penalty=0.5)
-    assert e.status == 400 and e.info.param == "frequency_penalty"
+    e = refused(chat, min_p=0.5)
+    assert e.status == 400 and e.info.param == "min_p"
 
 
 def test_n_above_one_is_refused_clearly():

@@ -33,6 +33,12 @@ HONOURED = {
     "stream_options": {"include_usage": True},
     "temperature": 0.5,
     "top_p": 0.9,
+    "frequency_penalty": 0.5,
+    "presence_penalty": -1,
+    "logit_bias": {"1": 5},
+    "logprobs": {CHAT: True, COMPLETION: 2},  # chat: a bool; completions: a count
+    "top_logprobs": 2,  # with logprobs: true
+    "echo": True,
 }
 # Accepted because they ask nothing of the output (who is asking, caching hints; tool-call
 # parallelism while tools are refused).
@@ -48,12 +54,6 @@ ACCEPTED = {
 # Not implemented: a value that asks for something (refused), and the no-op defaults clients
 # send (accepted; null is accepted for every one of them too).
 REFUSED = {
-    "frequency_penalty": (0.5, [0, 0.0]),
-    "presence_penalty": (-1, [0]),
-    "logit_bias": ({"1": 5}, [{}]),
-    "logprobs": (True, [False]),  # completions' int form is below
-    "top_logprobs": (2, [0]),
-    "echo": (True, [False]),
     "best_of": (2, [1]),
     "suffix": ("end", [""]),
     "response_format": ({"type": "json_object"}, [{"type": "text"}]),
@@ -73,9 +73,7 @@ REFUSED = {
 }
 # vLLM's extensions that change the output, refused the same way.
 VLLM_REFUSED = {
-    "repetition_penalty": (1.2, [1, 1.0]),
     "min_p": (0.1, [0]),
-    "min_tokens": (3, [0]),
     "include_stop_str_in_output": (True, [False]),
     "skip_special_tokens": (False, [True]),
     "prompt_logprobs": (1, []),
@@ -121,7 +119,10 @@ def test_the_refusal_table_is_what_the_structs_check():
 def test_honoured_and_accepted_fields_pass_validation(lone_gateway, path):
     for field in sorted(SPEC[path] - set(REFUSED)):
         value = {**HONOURED, **ACCEPTED}[field]
-        status, body = post(lone_gateway, path, **{field: value})
+        fields = {field: value[path] if isinstance(value, dict) and path in value else value}
+        if field == "top_logprobs":
+            fields["logprobs"] = True
+        status, body = post(lone_gateway, path, **fields)
         assert status == 503, (field, body)  # valid: it got as far as looking for a scheduler
 
 
@@ -139,7 +140,13 @@ def test_a_field_not_implemented_is_400_naming_it(lone_gateway, path, field):
 
 @pytest.mark.parametrize("path", SPEC)
 def test_vllm_extensions_we_implement_pass_validation(lone_gateway, path):
-    for fields in ({"stop_token_ids": [2, 5]}, {"top_k": 3}, {"ignore_eos": True}):
+    for fields in (
+        {"stop_token_ids": [2, 5]},
+        {"top_k": 3},
+        {"ignore_eos": True},
+        {"repetition_penalty": 1.2},
+        {"min_tokens": 3, "max_tokens": 4},
+    ):
         status, body = post(lone_gateway, path, **fields)
         assert status == 503, (fields, body)
     status, body = post(lone_gateway, path, stop_token_ids=[49152])
@@ -148,9 +155,33 @@ def test_vllm_extensions_we_implement_pass_validation(lone_gateway, path):
     assert status == 400 and body["error"]["param"] == "stop_token_ids"
 
 
+BAD_VALUES = [
+    (CHAT, {"frequency_penalty": 2.5}, "frequency_penalty"),
+    (CHAT, {"presence_penalty": -2.1}, "presence_penalty"),
+    (COMPLETION, {"repetition_penalty": 0}, "repetition_penalty"),
+    (CHAT, {"logit_bias": {"5": 101}}, "logit_bias[...]"),  # msgspec's path for a map value
+    (CHAT, {"logit_bias": {"49152": 1}}, "logit_bias"),  # outside the vocabulary
+    (COMPLETION, {"logit_bias": {"x": 1}}, "logit_bias"),
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    (CHAT, {"logprobs": 2}, "logprobs"),  # chat's is a bool
+    (COMPLETION, {"logprobs": 21}, "logprobs"),
+    (COMPLETION, {"logprobs": True}, "logprobs"),  # completions' is a count
+    (COMPLETION, {"max_tokens": 0}, "max_tokens"),  # only with echo
+    (CHAT, {"max_tokens": 0, "echo": True}, "max_tokens"),
+    (CHAT, {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    (COMPLETION, {"min_tokens": -1}, "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,fields,param", BAD_VALUES)
+def test_sampling_and_scoring_ranges_are_400_naming_the_field(lone_gateway, path, fields, param):
+    status, body = post(lone_gateway, path, **fields)
+    assert status == 400, body
+    assert body["error"]["param"] == param, body
+
+
 def test_completion_logprobs_zero_asks_for_the_sampled_tokens():
     """In completions `logprobs` is a count and 0 still asks for the sampled token's logprob."""
-    with pytest.raises(ApiError) as e:
-        decode_request(b'{"prompt": "hi", "logprobs": 0}', CompletionRequest)
-    assert e.value.info.param == "logprobs"
-    decode_request(b'{"prompt": "hi", "logprobs": null}', CompletionRequest)
+    assert decode_request(b'{"prompt": "hi", "logprobs": 0}', CompletionRequest).logprobs == 0
+    assert decode_request(b'{"prompt": "hi", "logprobs": null}', CompletionRequest).logprobs is None

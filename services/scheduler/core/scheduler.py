@@ -138,7 +138,12 @@ class SchedulerCore:
                 self._finish(req, Status.FINISHED, reason)
             elif req.status is not Status.RUNNING:
                 self._enqueue(req)  # its lag key moved
-            outputs.append(TokenOutput(request_id, [token], reason))
+            out = TokenOutput(request_id, [token], reason)
+            if request_id in result.logprobs:  # only requests that asked have an entry
+                out.logprobs = [result.logprobs[request_id]]
+            if request_id in result.prompt_logprobs:
+                out.prompt_logprobs = result.prompt_logprobs[request_id]
+            outputs.append(out)
         return outputs
 
     def _finish(self, req: Request, status: Status, reason: str) -> None:
@@ -336,3 +341,4 @@ def _scheduled_entry(req: Request) -> ScheduledRequest:
         entry.new_block_ids = req.hbm_blocks[req.num_sent_blocks :]
     req.num_sent_blocks = len(req.hbm_blocks)
     return entry
+
