@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import urllib.error
 import urllib.request
 
 from dataclasses import asdict
@@ -109,10 +108,10 @@ def scrape(urls: list[str]) -> dict[str, float | None]:
     for url in urls:
         try:
             with urllib.request.urlopen(url, timeout=10) as resp:
-                text = resp.read().decode()
-        except (OSError, urllib.error.HTTPError):
+                families = list(text_string_to_metric_families(resp.read().decode()))
+        except (OSError, ValueError):  # no answer, or not Prometheus text
             continue
-        for family in text_string_to_metric_families(text):
+        for family in families:
             for s in family.samples:
                 samples.setdefault(s.name, []).append((s.labels, s.value))
     out: dict[str, float | None] = {}
@@ -170,12 +169,12 @@ COLUMNS = (  # header, key of a run's result (None: the whole run), kind: compar
 )
 
 
-def run_label(run: dict) -> str:
-    return f"{run['rate']:g}" + (f", bursty {run['burstiness']:g}" if run["burstiness"] != 1 else "")
+def run_label(rate: float, burstiness: float) -> str:
+    return f"{rate:g}" + (f", bursty {burstiness:g}" if burstiness != 1 else "")
 
 
 def markdown(body: dict, cell) -> str:
-    """One row per run and target: runs in order (Poisson first), targets as given."""
+    """One row per run and target: runs as `runs_of` orders them, targets as given."""
     cfg, targets = body["config"], body["targets"]
     slo = {"ttft": f"{cfg['ttft_slo']:g}", "tbt": f"{cfg['tbt_slo'] * 1000:g}"}
     header = ["rate (req/s)", "server", *(h.format(**slo) for h, _, _ in COLUMNS)]
@@ -190,8 +189,7 @@ def markdown(body: dict, cell) -> str:
             done = t.get("runs", [])
             run = done[i] if i < len(done) else None  # None: the target failed before this run
             cells = [run_cell(run, key, kind, cell) for _, key, kind in COLUMNS]
-            label = run_label({"rate": rate, "burstiness": burstiness})
-            lines.append("| " + " | ".join([label, t["name"], *cells]) + " |")
+            lines.append("| " + " | ".join([run_label(rate, burstiness), t["name"], *cells]) + " |")
     return "\n".join(lines)
 
 

@@ -243,3 +243,46 @@ def test_targets_that_cannot_start_fail_with_their_reason(tmp_path):
     table = json_path.with_suffix(".md").read_text()
     assert "**hangs** failed: http://127.0.0.1" in table and "|  | ITL p50 (ms) | — | — | — | — |" in table
 
+
+
+@pytest.mark.slow
+def test_pressure_rows_for_two_of_our_policies(tmp_path, capsys):
+    """Two requests whose KV cannot both stay in a 12-block pool, at two rates, against our
+    fcfs and lvf: a row per policy and rate, with the preemption counters read from /metrics
+    (the scheduler's own endpoint, given for lvf only, adds the stall ratio)."""
+    port, metrics_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    pool = f"--block-size 32 --hbm-blocks 12 --metrics-port {metrics_port}"
+    serve = f"OMP_NUM_THREADS=1 {serve_command(port)} {pool}"  # counters, not speed: one thread is enough
+    args = parse_args(
+        "--target", f"fcfs={url},,{serve} --policy fcfs",
+        "--target", f"lvf={url},,{serve} --policy lvf",
+        "--metrics", f"lvf=http://127.0.0.1:{metrics_port}/metrics",
+        "--workloads", "sharegpt", "--rates", "4,8", "--num-requests", "2", "--seed", "7",  # 198+87, 130+117 tokens
+        "--out-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
+    )  # fmt: skip
+    assert compare.run(args) == 0
+    [json_path] = tmp_path.glob("compare_*.json")
+    body = json.loads(json_path.read_text())
+    assert (body["config"]["rates"], body["config"]["burstiness"]) == ([4.0, 8.0], [1.0])
+    fcfs, lvf = body["targets"]
+    for t in (fcfs, lvf):
+        assert t["error"] is None and [(r["rate"], r["burstiness"]) for r in t["runs"]] == [(4.0, 1.0), (8.0, 1.0)]
+        assert t["stopped"]["group_gone"] and "sharegpt" not in t
+        for r in t["runs"]:
+            assert REQUIRED_KEYS <= r.keys() and (r["completed"], r["failed"]) == (2, 0)
+            counters = r["counters"]
+            assert all(counters[k] >= 0 for k in ("preemptions", "recomputes", "rotations_out", "blocks_swapped_in"))
+    assert sum(r["counters"]["preemptions"] for t in (fcfs, lvf) for r in t["runs"]) > 0
+    assert all(r["counters"]["stall_ratio"] is None for r in fcfs["runs"])
+    assert all(0 <= r["counters"]["stall_ratio"] <= 1 for r in lvf["runs"])
+    table = json_path.with_suffix(".md").read_text()
+    assert table.strip() in capsys.readouterr().out
+    lines = table.splitlines()
+    assert lines[0] == "| workload | metric | fcfs | lvf | lvf vs fcfs |" and lines[2].startswith("| server | time to")
+    assert "| rate (req/s) | server | TTFT ≤ 5 s | TBT gaps ≤ 100 ms | requests meeting TBT on every gap |" in table
+    rows = [line.split(" | ") for line in lines if line.startswith(("| 4 |", "| 8 |"))]
+    assert [row[:2] for row in rows] == [["| 4", "fcfs"], ["| 4", "lvf"], ["| 8", "fcfs"], ["| 8", "lvf"]]
+    assert all(len(row) == 14 and row[-1] == "2 / 0 |" for row in rows)
+    assert all(row[12] == "n/a" for row in rows[::2]) and all(row[12].endswith("%") for row in rows[1::2])
+    assert all(row[8].replace(",", "").isdigit() for row in rows)  # preemptions
