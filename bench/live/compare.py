@@ -14,7 +14,9 @@ without a model, the first of its GET /v1/models is sent. Two workloads:
   latency (ITL: the gaps between streamed chunks; `tokens_per_chunk` is 1 where the server
   streamed one token per chunk), output tok/s over the rounds' wall time, and the token
   counts the server reported in its `usage`.
-- `sharegpt`: `bench serve`'s ShareGPT replay at `--rate` req/s, with its figures.
+- `sharegpt`: `bench serve`'s ShareGPT replay at `--rate` req/s, with its figures; with
+  `--rates`, the pressure comparison instead (`bench.live.pressure`): the trace at every
+  rate and burstiness, a row per target and run with the server's preemption counters.
 
 The load generator, the workloads and every figure are `bench serve`'s (`replay`,
 `load_workload`/`synthetic_items`, `summarize`). Writes `compare_<timestamp>.json` and the
@@ -33,8 +35,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.live import pressure
 from bench.live.serve import first_model, replay
-from bench.live.server import REPO, LaunchError, answers_ready, launch
+from bench.live.server import REPO, Launched, LaunchError, answers_ready, launch
 from bench.live.workload import SyntheticSpec, WorkItem, load_workload, synthetic_items
 from bench.report.metrics import RequestRecord, format_summary, summarize
 from bench.report.rows import dig
@@ -100,7 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("ShareGPT run")
     g.add_argument("--num-requests", type=int, default=60)
     g.add_argument("--rate", type=float, default=1.0, help="requests/s (default %(default)s)")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
+    g.add_argument(
+        "--burstiness", type=pressure.float_list, default=[1.0],
+        help="gamma shape of arrival gaps; 1 = Poisson; with --rates, several: every rate at each",
+    )  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="also seeds the probe's prompts")
     g.add_argument(
         "--ttft-slo", type=float, default=SchedulerConfig.ttft_slo, help="S_F in seconds (default %(default)s)"
@@ -108,23 +114,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tbt-slo", type=float, default=SchedulerConfig.tbt_slo, help="S_B in seconds (default %(default)s)"
     )
+    pressure.add_arguments(g)
+
+
+def usage_error(args: argparse.Namespace) -> str | None:
+    names = {t.name for t in args.target}
+    if len(names) < len(args.target):
+        return "target names must differ"
+    if args.rates is None and (len(args.burstiness) > 1 or args.metrics or args.restart_per_run):
+        return "several --burstiness values, --metrics and --restart-per-run go with --rates"
+    if args.rates is not None and "sharegpt" not in args.workloads:
+        return "--rates runs the sharegpt workload: add it to --workloads"
+    if unknown := {n for n, _ in args.metrics} - names:
+        return f"--metrics for no target: {', '.join(sorted(unknown))}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
-    if len({t.name for t in args.target}) < len(args.target):
-        print("bench compare: target names must differ", file=sys.stderr)
+    if error := usage_error(args):
+        print(f"bench compare: {error}", file=sys.stderr)
         return 2
     from services.gateway.tokenizer import load_tokenizer
     from shared.modelfile import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
     probe = probe_workload(args, tokenizer) if "probe" in args.workloads else None
-    rated = None
-    if "sharegpt" in args.workloads:
-        rated = load_workload("sharegpt", args.num_requests, args.rate, tokenizer, args.burstiness, args.seed)
+    rated = sweep = None
+    if args.rates is not None:
+        sweep = [
+            (rate, b, load_workload("sharegpt", args.num_requests, rate, tokenizer, b, args.seed))
+            for rate, b in pressure.runs_of(args)
+        ]  # fmt: skip
+    elif "sharegpt" in args.workloads:
+        rated = load_workload("sharegpt", args.num_requests, args.rate, tokenizer, args.burstiness[0], args.seed)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="superinfer-compare-"))
-    results = [run_target(t, probe, rated, args, log_dir / f"{stamp}-{t.name}.log") for t in args.target]
+    results = [run_target(t, probe, rated, sweep, args, log_dir / f"{stamp}-{t.name}.log") for t in args.target]
     body = {"created": stamp, "config": run_config(args), "targets": results}
     table = markdown(body)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -141,29 +166,38 @@ def run_config(args: argparse.Namespace) -> dict:
     cfg.pop("api_key", None)
     cfg["target"] = [asdict(t) for t in args.target]
     cfg["rate"] = str(args.rate) if math.isinf(args.rate) else args.rate  # JSON has no inf
+    if args.rates is None:  # as before --rates: one run, these keys unknown
+        cfg["burstiness"] = args.burstiness[0]
+        for key in ("rates", "metrics", "restart_per_run"):
+            del cfg[key]
+    else:
+        del cfg["rate"]
+        cfg["metrics"] = [list(m) for m in args.metrics]
     return cfg
 
 
 def target_ok(result: dict) -> bool:
     runs = [*result.get("probe", {}).values(), *([result["sharegpt"]] if "sharegpt" in result else [])]
-    stopped = result.get("stopped", {"group_gone": True, "port_free": True})
-    return result["error"] is None and all(r["failed"] == 0 for r in runs) and stopped["group_gone"]
+    runs += result.get("runs", [])
+    stops = [result.get("stopped", {})] + [r.get("stopped_before", {}) for r in result.get("runs", [])]
+    return result["error"] is None and all(r["failed"] == 0 for r in runs) and all(
+        s.get("group_gone", True) for s in stops
+    )
 
 
 # ---------------------------------------------------------------- one target
 
 
-def run_target(t: Target, probe, rated: list[WorkItem] | None, args, log_path: Path) -> dict:
-    """Start (if asked), measure, stop. A target that cannot start is a result with an error."""
+def run_target(t: Target, probe, rated: list[WorkItem] | None, sweep, args, log_path: Path) -> dict:
+    """Start (if asked), measure, stop. A target that cannot start is a result with an error.
+    `sweep`: (rate, burstiness, items) of every `--rates` run, or None."""
     out: dict = {"name": t.name, "base_url": t.base_url, "model": t.model, "start": t.start, "error": None}
     print(f"== {t.name} at {t.base_url}" + (f": {t.start}" if t.start else ""), file=sys.stderr)
     server = None
     try:
         if t.start:
             server = launch(t.start, t.base_url, log_path)
-            out.update(pgid=server.pgid, log=str(log_path))
-            out["ready_s"] = server.wait_ready(args.ready_timeout)
-            print(f"{t.name}: ready after {server.ready_s:.1f} s", file=sys.stderr)
+            wait_ready(t, server, out, args)
         elif not answers_ready(t.base_url):
             raise LaunchError(f"nothing ready at {t.base_url}: start it first, or give a start command")
         model = out["model"] = t.model or first_model(t.base_url, args.api_key)
@@ -171,6 +205,15 @@ def run_target(t: Target, probe, rated: list[WorkItem] | None, args, log_path: P
             out["probe"] = run_probe(t.name, t.base_url, model, probe, args)
         if rated is not None:
             out["sharegpt"] = run_rated(t.name, t.base_url, model, rated, args)
+        for i, (rate, burstiness, items) in enumerate(sweep or []):
+            run = out.setdefault("runs", [])
+            fresh: dict = {}
+            if i and server is not None and args.restart_per_run:
+                fresh["stopped_before"], server = server.stop(args.stop_timeout), None
+                server = launch(t.start, t.base_url, log_path.with_name(f"{log_path.stem}-run{i + 1}.log"))
+                wait_ready(t, server, fresh, args)
+            replay_run = lambda: replay_items(t.base_url, model, items, args)  # noqa: E731
+            run.append({**fresh, **pressure.run(t.name, t.base_url, rate, burstiness, replay_run, args)})
     except (LaunchError, OSError, ValueError, KeyError) as e:
         out["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, LaunchError) else str(e)
         print(f"{t.name}: {out['error']}", file=sys.stderr)
@@ -178,6 +221,12 @@ def run_target(t: Target, probe, rated: list[WorkItem] | None, args, log_path: P
         if server is not None:
             out["stopped"] = server.stop(args.stop_timeout)
     return out
+
+
+def wait_ready(t: Target, server: Launched, record: dict, args) -> None:
+    record.update(pgid=server.pgid, log=str(server.log_path))
+    record["ready_s"] = server.wait_ready(args.ready_timeout)
+    print(f"{t.name}: ready after {server.ready_s:.1f} s", file=sys.stderr)
 
 
 def client_args(args) -> argparse.Namespace:
@@ -275,7 +324,7 @@ def table_rows(cfg: dict) -> list[tuple[str, str, tuple[str, ...], str]]:
                 (label, "prompt tokens (usage)", (*level, "prompt_tokens_usage"), "span"),
                 (label, "output tokens per stream", (*level, "output_tokens"), "span"),
             ]  # fmt: skip
-    if "sharegpt" in cfg["workloads"]:
+    if "sharegpt" in cfg["workloads"] and cfg.get("rates") is None:
         rate = f"{cfg['rate']:g}" if isinstance(cfg["rate"], float) else cfg["rate"]  # "inf" in JSON
         label = f"ShareGPT, {cfg['num_requests']} requests at {rate} req/s, seed {cfg['seed']}"
         rows += [
@@ -314,6 +363,17 @@ def versus(first, second, kind: str) -> str:
 
 
 def markdown(body: dict) -> str:
+    """The side by side table (with `--rates`, where it has rows: time to ready, the probe),
+    then the pressure table, then the targets that failed."""
+    rates, table = body["config"].get("rates"), side_by_side(body)
+    parts = [table] if rates is None or table.count("\n") > 1 else []
+    if rates is not None:
+        parts.append(pressure.markdown(body, cell))
+    parts += [f"**{t['name']}** failed: {t['error'].splitlines()[0]}" for t in body["targets"] if t["error"]]
+    return "\n\n".join(parts)
+
+
+def side_by_side(body: dict) -> str:
     targets, cfg = body["targets"], body["config"]
     names = [t["name"] for t in targets]
     header = ["workload", "metric", *names] + ([f"{names[1]} vs {names[0]}"] if len(targets) > 1 else [])
@@ -328,9 +388,6 @@ def markdown(body: dict) -> str:
             cells.append(versus(values[0], values[1], kind))
         lines.append("| " + " | ".join([label if label != last_label else "", metric, *cells]) + " |")
         last_label = label
-    for t in targets:
-        if t["error"]:
-            lines.append(f"\n**{t['name']}** failed: {t['error'].splitlines()[0]}")
     return "\n".join(lines)
 
 
