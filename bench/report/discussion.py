@@ -83,9 +83,9 @@ def discussion(res: dict, hi: float) -> list[str]:
         f"{best['policy']} ({pct(best['ttft_attainment'])}); WF preempts with swap like LVF and admits waiting requests "
         "first, which is most of what TTFT needs.",
         pressure_bullet(points, top, worst_wf),
-        f"- **Our baselines are not vLLM.** All four policies run on one core, one block manager and one copy model. "
-        f"Giving the baselines vLLM's stock swap path (`naive`, ~10 GB/s) {'changes nothing' if same else 'changes little'}: "
-        f"they preempt rarely (SF {sf['num_preemptions']}, WF {wf['num_preemptions']} times in {sf['num_requests']} requests) "
+        f"- **Our baselines are not the systems' engines.** Every policy runs on one core, one block manager and one copy "
+        f"model (the baselines' rules, our engine). Giving the swapping baselines vLLM's stock swap path (`naive`, ~10 GB/s) {'changes nothing' if same else 'changes little'}: "
+        f"they preempt rarely (SF {sf['num_preemptions']:.0f}, WF {wf['num_preemptions']:.0f} times in {sf['num_requests']} requests) "
         "and a swap-in of a few dozen 4 MiB blocks hides behind one step's compute in the pipeline.",
         f"- **Operating point.** Our roofline GH200 takes {lvf['compute_ms_mean']:.1f} ms of model time per step at {hi:g} req/s; "
         f"the paper measured {PAPER_STEP['model_ms']} ms. Memory pressure (any preemption) starts at {pressure} here. "
