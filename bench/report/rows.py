@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
+
 from services.scheduler.core import POLICIES
 
 BASELINES = tuple(p for p in POLICIES if p != "lvf")
+LABELS = {"fcfs": "vllm-v1"}  # our fcfs is vLLM V1's scheduler (FCFS, recompute preemption)
+SPREAD_KEYS = ("ttft_attainment", "tbt_attainment", "tbt_request_attainment")
 PAPER_STEP = {"schedule_ms": 7.6, "transfer_ms": 15.8, "model_ms": 69.8, "stall_pct": 0.021}
 PAPER_TABLE1 = {"naive": "~10 GB/s, 1556 ms", "duplex": "181+179 GB/s, 46.8 ms", "ideal": "41.7 ms"}
 
@@ -44,3 +48,38 @@ def knob_rows(res: dict) -> dict[str, list[dict]]:
 def tbt_behind(rows: list[dict], rate: float) -> float:
     """Points by which LVF's TBT attainment at `rate` trails the best policy's."""
     return 100 * (max(r["tbt_attainment"] for r in rows if r["rate"] == rate) - at(rows, "lvf", rate)["tbt_attainment"])
+
+
+def name(policy: str) -> str:
+    """A policy as the reports name it: the paper's system where ours stands for one."""
+    return LABELS.get(policy, policy)
+
+
+def mean_rows(per_seed: list[list[dict]]) -> list[dict]:
+    """One row per job from its rows at every seed (`per_seed[s][j]`): numbers that differ
+    between seeds are averaged, and each attainment gets `<key>_spread`, max - min over the
+    seeds; `seeds` says how many."""
+    out = []
+    for runs in zip(*per_seed):
+        row = dict(runs[0])
+        for k, v in row.items():
+            vals = [r[k] for r in runs]
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and None not in vals and len(set(vals)) > 1:
+                row[k] = statistics.fmean(vals)
+        for k in SPREAD_KEYS:
+            vals = [r[k] for r in runs if r[k] is not None]
+            row[f"{k}_spread"] = max(vals) - min(vals) if vals else 0.0
+        row["seeds"] = len(runs)
+        out.append(row)
+    return out
+
+
+def compare(a: dict, b: dict, key: str) -> tuple[float, float]:
+    """(a - b, the larger spread of the two) for `key`, in points: a difference within the
+    spread is a tie."""
+    spread = max(a.get(f"{key}_spread", 0.0), b.get(f"{key}_spread", 0.0))
+    return 100 * (a[key] - b[key]), 100 * spread
+
+
+def verdict(diff: float, spread: float) -> str:
+    return "tie" if abs(diff) <= spread else f"{diff:+.1f}"

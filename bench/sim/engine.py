@@ -38,6 +38,7 @@ then no longer bit-for-bit repeatable).
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,13 +47,14 @@ from dataclasses import dataclass, field
 from bench.live.workload import WorkItem
 from bench.report.metrics import RequestRecord
 from bench.sim.costmodel import Hardware, ModelShape, StepWork, compute_time, num_kv_blocks, transfer_time
-from services.scheduler.core import SchedulerConfig, SchedulerCore
+from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
 from shared.config import DEFAULT_PIPELINE_DEPTH
 from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, StepTimings, TokenOutput
 
-TOKEN = 1  # the id every synthesized sample carries (never a stop token: no stop ids are set)
+TOKEN = 1  # the id every synthesized sample carries but a request's last
+STOP = 2  # a request's last sample when it asks for more than its true output (`SimSetup.max_tokens`)
 
 
 # ---------------------------------------------------------------- the clock
@@ -102,6 +104,11 @@ class SimSetup:
     sched_time: str = "model"  # "model" | "measured" | milliseconds
     check_invariants: bool = False
     pipeline_depth: int = DEFAULT_PIPELINE_DEPTH  # plans at the worker at once, as the live scheduler keeps
+    # The client's max_tokens: 0 asks each request's true output length (it ends by length);
+    # else this cap (at least the true length, within the context window), and the request
+    # ends at its true length with a stop token, as a model's EOS ends it.
+    max_tokens: int = 0
+    predictor_noise: float = 1.0  # sigma of the log-normal error of the output-length predictor
 
 
 @dataclass
@@ -119,18 +126,33 @@ class SimRun:
     step_num_sampled: list[int] = field(default_factory=list)
 
 
-def requests_of(items: list[WorkItem]) -> list[AddRequest]:
+def requests_of(items: list[WorkItem], max_tokens: int = 0, max_model_len: int = 0) -> list[AddRequest]:
     """One AddRequest per item: its prompt length in placeholder ids, `max_tokens` = its
-    output length (no stop ids: the output ends exactly there). The first id is the item's
-    own, so no two prompts share a prefix-cache block (real prompts rarely share whole ones)."""
+    output length (no stop ids: the output ends exactly there), or with `max_tokens` that
+    cap within `max_model_len` (the output ends with a STOP sample at its true length). The
+    first id is the item's own, so no two prompts share a prefix-cache block (real prompts
+    rarely share whole ones)."""
+
+    def params(it: WorkItem) -> SamplingParams:
+        if not max_tokens:
+            return SamplingParams(max_tokens=it.output_tokens, ignore_eos=True)
+        cap = max(it.output_tokens, min(max_tokens, max_model_len - it.prompt_tokens))
+        return SamplingParams(max_tokens=cap, stop_token_ids=[STOP])
+
     return [
-        AddRequest(
-            str(i),
-            [TOKEN + 1 + i] + [TOKEN] * (it.prompt_tokens - 1),
-            SamplingParams(max_tokens=it.output_tokens, ignore_eos=True),
-        )
+        AddRequest(str(i), [STOP + 1 + i] + [TOKEN] * (it.prompt_tokens - 1), params(it)) for i, it in enumerate(items)
+    ]
+
+
+def noisy_predictor(items: list[WorkItem], sigma: float) -> Callable[[Request], float]:
+    """An output-length predictor as LTR's learned one: the true length times a log-normal
+    error of `sigma` (1.0: Kendall's tau about 0.55 on ShareGPT, as the LTR paper's
+    predictor), drawn per request from its index and lengths, so every run draws the same."""
+    pred = [
+        it.output_tokens * math.exp(random.Random(f"{i}:{it.prompt_tokens}:{it.output_tokens}").gauss(0.0, sigma))
         for i, it in enumerate(items)
     ]
+    return lambda req: pred[int(req.request_id)]
 
 
 @dataclass
@@ -139,6 +161,7 @@ class InFlight:
 
     step_id: int
     sampled: list[str]  # request ids that sample in this step
+    tokens: list[int] | None = None  # the id each samples (TOKEN for all when None)
     end: float = math.inf  # when its result is back (the cost model's)
     compute_s: float = 0.0  # reported back, as a worker does (the core learns step times from it)
 
@@ -146,8 +169,9 @@ class InFlight:
 def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
     cfg, hw, model = setup.cfg, setup.hardware, setup.model
     max_model_len = min(model.max_position, setup.num_hbm_blocks * cfg.block_size)
-    core = SchedulerCore(cfg, setup.num_hbm_blocks, setup.num_dram_blocks, max_model_len)
-    requests = requests_of(items)
+    predictor = noisy_predictor(items, setup.predictor_noise)
+    core = SchedulerCore(cfg, setup.num_hbm_blocks, setup.num_dram_blocks, max_model_len, predictor=predictor)
+    requests = requests_of(items, setup.max_tokens, max_model_len)
     num_samples = [0] * len(items)  # samples planned so far (emitted + in flight)
     times: list[list[float]] = [[] for _ in items]
     clock = Clock(hw.pipeline, gap_s=hw.step_gap_s)
@@ -174,7 +198,8 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         run.step_num_sampled.append(len(sampled))
         run.compute_ms.append(compute_s * 1e3)
         run.xfer_ms.append(x.total_s * 1e3)
-        return InFlight(plan.step_id, sampled, end, compute_s)
+        last = [STOP if num_samples[int(r)] == items[int(r)].output_tokens else TOKEN for r in sampled]
+        return InFlight(plan.step_id, sampled, last, end, compute_s)
 
     def idle() -> None:  # a schedule() call that built no plan
         run.sched_wall_ms.append(driver.schedule_s * 1e3)
@@ -242,8 +267,8 @@ def run_clock(
             upcoming.popleft()
         if driver.in_flight:
             f = driver.in_flight[0]
-            result = StepResult(f.step_id, f.sampled, [TOKEN] * len(f.sampled), StepTimings(compute_s=f.compute_s))
-            _, outputs = driver.result(result, now)
+            tokens = f.tokens if f.tokens is not None else [TOKEN] * len(f.sampled)
+            _, outputs = driver.result(StepResult(f.step_id, f.sampled, tokens, StepTimings(compute_s=f.compute_s)), now)
             applied(outputs, now)
         following = next_result()
         merged = following - now < tick_s and following <= arrival
@@ -293,6 +318,9 @@ def make_setup(
     sched_time: str = "model",
     check: bool = False,
     depth: int = 2,
+    max_tokens: int = 0,
+    predictor_noise: float = 1.0,
 ) -> SimSetup:
     num_hbm, num_dram = num_kv_blocks(hw, model, cfg.block_size)
-    return SimSetup(cfg, hw, model, mode, hbm or num_hbm, num_dram if dram is None else dram, sched_time, check, depth)
+    dram = num_dram if dram is None else dram
+    return SimSetup(cfg, hw, model, mode, hbm or num_hbm, dram, sched_time, check, depth, max_tokens, predictor_noise)

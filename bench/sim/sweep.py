@@ -45,6 +45,7 @@ def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: 
         **{k: getattr(cfg, k) for k in KNOBS if k != "transfer_mode"},
         "transfer_mode": setup.transfer_mode,
         **{k: getattr(cfg, k) for k in ("reserve_full_prompt", "min_residency_s", "rotary_yields")},
+        "max_tokens": setup.max_tokens,
         "model": setup.model.name,
         "hardware": setup.hardware.name,
         "num_requests": s["num_requests"],
@@ -109,13 +110,32 @@ def sweep(
 ) -> list[dict]:
     """One row per job; the same requests at every rate, with that rate's arrivals (a trace
     that brings its own arrivals keeps them: pass `redraw=False`)."""
-    bare = [replace(it, prompt="") for it in items]  # the text is not simulated; keep pickles small
-    timed = lambda rate: with_arrivals(bare, arrival_times(len(bare), rate, burstiness, seed)) if redraw else bare  # noqa: E731
-    args = [(timed(j.rate), j.setup, j.rate, ttft_slo, tbt_slo) for j in jobs]
-    if num_procs <= 1 or len(jobs) == 1:
-        return [run_one(*a) for a in args]
-    with ProcessPoolExecutor(num_procs) as pool:
-        return list(pool.map(run_one, *zip(*args)))
+    return sweep_seeds({seed: items}, jobs, ttft_slo, tbt_slo, burstiness, num_procs, redraw)[0]
+
+
+def sweep_seeds(
+    items_by_seed: dict[int, list[WorkItem]],
+    jobs: list[Job],
+    ttft_slo: float,
+    tbt_slo: float,
+    burstiness: float = 1.0,
+    num_procs: int = 1,
+    redraw: bool = True,
+) -> list[list[dict]]:
+    """`sweep` once per seed (its requests, arrivals drawn with it), all in one pool: per
+    seed, one row per job."""
+    args = []
+    for seed, items in items_by_seed.items():
+        bare = [replace(it, prompt="") for it in items]  # the text is not simulated; keep pickles small
+        for j in jobs:
+            timed = with_arrivals(bare, arrival_times(len(bare), j.rate, burstiness, seed)) if redraw else bare
+            args.append((timed, j.setup, j.rate, ttft_slo, tbt_slo))
+    if num_procs <= 1 or len(args) == 1:
+        rows = [run_one(*a) for a in args]
+    else:
+        with ProcessPoolExecutor(num_procs) as pool:
+            rows = list(pool.map(run_one, *zip(*args)))
+    return [rows[i : i + len(jobs)] for i in range(0, len(rows), len(jobs))]
 
 
 def load_items(
@@ -175,6 +195,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=d.reserve_full_prompt,
         help="admit only with HBM room for every known token",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="the clients' max_tokens cap; requests still end at their true length (default: ask the true length)",
+    )
+    p.add_argument(
+        "--predictor-noise", type=float, default=1.0, help="ltr: log-normal sigma of the output-length predictor"
     )
     p.add_argument("--transfer-mode", type=_strs, default=["duplex"], help="naive, merged, batched, duplex")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="default: the profile's")
@@ -243,6 +272,8 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
                     args.sched_time,
                     args.check_invariants,
                     args.pipeline_depth,
+                    args.max_tokens,
+                    args.predictor_noise,
                 ),
             )
         )
@@ -285,6 +316,7 @@ def trace_has_arrivals(path: Path) -> bool:
 def describe(setup: SimSetup) -> dict:
     return {
         "hardware": setup.hardware.name,
+        "max_tokens": setup.max_tokens,
         "model": setup.model.name,
         "num_hbm_blocks": setup.num_hbm_blocks,
         "num_dram_blocks": setup.num_dram_blocks,

@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.report import reproduction
 from bench.report.rows import BASELINES
 from bench.sim import reproduce
+from services.scheduler.core import POLICIES
 
 
 def row(policy: str, rate: float, ttft: float, tbt: float = 0.9) -> dict:
@@ -18,11 +19,12 @@ def row(policy: str, rate: float, ttft: float, tbt: float = 0.9) -> dict:
 
 def test_lead_cell_names_the_largest_lead_and_the_worst_deficit():
     rows = [
-        *(row(p, 4, 1.0) for p in ("lvf", "fcfs", "sf", "wf")),
+        *(row(p, 4, 1.0) for p in POLICIES),
         row("lvf", 8, 0.9, tbt=0.85),
         row("fcfs", 8, 0.5, tbt=0.9),
         row("sf", 8, 0.6),
         row("wf", 8, 0.95),
+        *(row(p, 8, 0.5) for p in POLICIES if p not in ("lvf", "fcfs", "sf", "wf")),
     ]
     assert reproduction.lead_cell(rows, ("fcfs",)) == "**+40.0** at 8 req/s (TBT 5.0 below)"
     assert reproduction.lead_cell(rows, ("wf",)) == "never ahead; -5.0 at 8 req/s"
@@ -45,7 +47,7 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path):
         full = int(next(csv.DictReader(f))["num_hbm_blocks"])
     sizes = sorted({int(r["num_hbm_blocks"]) for r in pressure})
     assert sizes == sorted(round(full * s) for s in reproduce.PRESSURE)
-    assert len(pressure) == len(sizes) * 4 * 2  # every policy at both rates, per size
+    assert len(pressure) == len(sizes) * len(POLICIES) * 2  # every policy at both rates, per size
     for blocks in (full, *sizes):
         assert f"| {blocks} | " in md  # one row of leads per operating point
     assert (tmp_path / "fig16.png").stat().st_size > 0

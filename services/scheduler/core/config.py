@@ -6,7 +6,8 @@ from dataclasses import Field, dataclass, field, fields
 
 from shared.config import DEFAULT_BLOCK_SIZE
 
-POLICIES = ("lvf", "fcfs", "sf", "wf")
+POLICIES = ("lvf", "fcfs", "sf", "wf", "trtllm", "lightllm", "ltr", "edf")
+SWAPPING = ("lvf", "sf", "wf")  # the others preempt by recompute (trtllm never preempts)
 
 
 def _flag(default, help: str, **argparse_kw):
@@ -35,7 +36,10 @@ class SchedulerConfig:
     policy: str = _flag(
         "lvf",
         "lvf: Largest-VLT-First rotation (SuperInfer); fcfs: FCFS with recompute preemption; "
-        "sf: swapped-first with swap preemption; wf: waiting-first with swap preemption",
+        "sf: swapped-first with swap preemption; wf: waiting-first with swap preemption; baselines "
+        "(baselines.py, recompute preemption): trtllm: admit only with room for prompt + max_tokens, "
+        "never preempt; lightllm: admit while the predicted peak KV fits; ltr: shortest predicted "
+        "output first; edf: earliest deadline first",
         choices=POLICIES,
     )
     ttft_slo: float = _flag(5.0, "TTFT SLO S_F in seconds (default %(default)s)")
@@ -135,7 +139,7 @@ class SchedulerConfig:
     @property
     def swaps(self) -> bool:
         """Whether preemption copies KV to DRAM (else it is dropped and recomputed)."""
-        return self.policy != "fcfs"
+        return self.policy in SWAPPING
 
     @property
     def mirrors(self) -> bool:

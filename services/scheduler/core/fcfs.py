@@ -39,10 +39,10 @@ def admission_order(policy: str, queues: list[RequestHeap]) -> Iterator[Request]
         yield req
 
 
-def schedule_running(core: PolicyView, step: Step, order: list[Request]) -> None:
+def schedule_running(core: PolicyView, step: Step, order: list[Request], preempt: bool = True) -> None:
     """Give each running request its tokens, decodes before prefill chunks, in `order`.
     A request short of blocks preempts the request at the end of `order` that has not
-    been scheduled this step (possibly itself)."""
+    been scheduled this step (possibly itself); without `preempt` it waits a step."""
     for decodes in (True, False):
         for req in order:
             if step.tokens_left == 0 or step.seqs_left == 0:
@@ -57,12 +57,13 @@ def schedule_running(core: PolicyView, step: Step, order: list[Request]) -> None
                 continue  # the step's prefill cap is spent
             need = core.memory.blocks_needed(req, num_new)
             step.num_blocks_wanted += need
-            if make_room(core, step, req, need, order):
+            if make_room(core, step, req, need, order if preempt else []):
                 core.memory.grow(req, num_new)
                 step.schedule(req, num_new)
 
 
 def make_room(core: PolicyView, step: Step, req: Request, need: int, order: list[Request]) -> bool:
+    """Free HBM for `need` blocks of `req` by preempting from the end of `order` (none if empty)."""
     hbm = core.memory.hbm
     while hbm.num_free < need:
         if hbm.num_free + hbm.num_deferred >= need:

@@ -1,6 +1,6 @@
 """What a policy sees of the scheduler core: its state, and the two transitions it may ask for.
 
-`SchedulerCore` (scheduler.py) is the one implementation; the policies (fcfs.py, lvf.py)
+`SchedulerCore` (scheduler.py) is the one implementation; the policies (fcfs.py, lvf.py, baselines.py)
 take this view, so they do not import the core that imports them. A policy reads the queues
 and the pools, decides, and calls `admit` or `preempt`; the core applies the transition
 and records it on the `Step` (`step.admitted`, `step.preempted`).
@@ -25,6 +25,8 @@ class PolicyView(Protocol):
     q_rotary: RequestHeap
     q_first: RequestHeap  # paused requests by VLT lag key (LVF): no token emitted yet
     q_emitted: RequestHeap
+    num_finished: int
+    num_finished_output_tokens: int  # outputs of the requests finished so far, summed
 
     def admit(self, req: Request, step: Step, num_new_tokens: int) -> None:
         """WAITING/ROTARY -> RUNNING with its first `num_new_tokens` scheduled (capacity checked)."""

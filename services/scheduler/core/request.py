@@ -67,6 +67,7 @@ class Request:
     demand_blocks: int = 0  # blocks_for(num_known), summed by the core
     num_waiting_tokens: int = 0  # num_tokens while in the core's waiting queue, summed by the core
     finish_reason: str | None = None
+    predicted_output: float = 0.0  # output tokens the core's predictor expects (the ltr policy ranks by it)
 
     @property
     def num_tokens(self) -> int:

@@ -7,9 +7,11 @@ drive the same code.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 from shared.protocol import AddRequest, NewRequestData, Plan, ScheduledRequest, StepResult, TokenOutput
 
+from .baselines import BASELINE_STEPS
 from .config import SchedulerConfig
 from .fcfs import schedule_fcfs
 from .invariants import check_invariants
@@ -27,13 +29,26 @@ class Overloaded(ValueError):
     the request may be retried later."""
 
 
+def cap_prediction(req: Request) -> float:
+    """Without a length predictor a request is expected to run to its cap."""
+    return float(req.params.max_tokens)
+
+
 class SchedulerCore:
     def __init__(
-        self, cfg: SchedulerConfig, num_hbm_blocks: int, num_dram_blocks: int, max_model_len: int,
+        self,
+        cfg: SchedulerConfig,
+        num_hbm_blocks: int,
+        num_dram_blocks: int,
+        max_model_len: int,
         model_name: str = "",
+        predictor: Callable[[Request], float] = cap_prediction,
     ):
-        """`model_name` salts the prefix cache's block hashes."""
+        """`model_name` salts the prefix cache's block hashes. `predictor`: a new request's
+        expected output length (`Request.predicted_output`; the ltr policy ranks by it). The
+        simulator passes a noisy one of the true length."""
         self.cfg = cfg
+        self.predictor = predictor
         self.max_model_len = max_model_len
         self.memory = Memory(
             num_hbm_blocks, num_dram_blocks, cfg.block_size, cfg.mirrors, cfg.enable_prefix_caching, model_name
@@ -57,6 +72,7 @@ class SchedulerCore:
         self.num_rotations_out = 0
         self.num_rotations_in = 0
         self.num_finished = 0
+        self.num_finished_output_tokens = 0
         self.num_aborted = 0
         self.step_time = StepTimeModel()
         self._step_tokens: dict[int, int] = {}  # tokens of each plan in flight, for step_time
@@ -80,6 +96,7 @@ class SchedulerCore:
             max_model_len=self.max_model_len,
             last_token_time=now,
         )
+        r.predicted_output = self.predictor(r)
         self.requests[r.request_id] = r
         self._track_demand(r)
         self._enqueue(r)
@@ -159,6 +176,7 @@ class SchedulerCore:
             self.pending_drops.append(req.request_id)
         if status is Status.FINISHED:
             self.num_finished += 1
+            self.num_finished_output_tokens += len(req.output_token_ids)
         else:
             self.num_aborted += 1
 
@@ -182,6 +200,8 @@ class SchedulerCore:
             memory.register(req)  # blocks filled by earlier steps become hits for this one
         if cfg.policy == "lvf" and not step.fits_all:
             schedule_lvf(self, step)
+        elif cfg.policy in BASELINE_STEPS:
+            BASELINE_STEPS[cfg.policy](self, step)
         else:
             schedule_fcfs(self, step)
         if cfg.mirrors:
