@@ -115,8 +115,8 @@ def select_rows(rows: list[p.RequestRow], states: list[str] | None, sort: str) -
     return sorted(rows, key=key, reverse=largest_first)
 
 
-_COLUMNS = ("STATE", "VLT", "AGE", "LAST_TOK", "TTFT_SLACK", "TBT_SLACK", "PROMPT", "OUT", "HBM", "DRAM")
-_WIDTHS = (7, 8, 8, 8, 10, 9, 6, 5, 4, 4)
+_COLUMNS = ("STATE", "VLT", "AGE", "LAST_TOK", "TTFT_SLACK", "TBT_SLACK", "PROMPT", "CACHED", "OUT", "HBM", "DRAM")
+_WIDTHS = (7, 8, 8, 8, 10, 9, 6, 6, 5, 4, 4)
 
 
 def table(rows: list[p.RequestRow], width: int | None = None) -> list[str]:
@@ -131,7 +131,7 @@ def table(rows: list[p.RequestRow], width: int | None = None) -> list[str]:
     for r in rows:
         cells = (
             r.state, secs(r.vlt), secs(r.age_s), secs(r.since_last_token_s), secs(r.ttft_slack_s),
-            secs(r.tbt_slack_s), str(r.num_prompt_tokens), str(r.num_output_tokens),
+            secs(r.tbt_slack_s), str(r.num_prompt_tokens), str(r.num_cached_tokens), str(r.num_output_tokens),
             str(r.num_hbm_blocks), str(r.num_dram_blocks),
         )
         out.append(line(r.request_id, cells))

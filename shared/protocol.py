@@ -121,6 +121,8 @@ class TokenOutput(_Data):
     logprobs: list[TokenLogprobs] = []
     # With the first token, when asked: prompt tokens 1.. (the first has no logprob).
     prompt_logprobs: list[TokenLogprobs] = []
+    # With the first token: prompt tokens whose KV came from the prefix cache.
+    num_cached_tokens: int = 0
 
 
 class StepOutputs(_Msg, tag="out"):
@@ -306,6 +308,7 @@ class RequestRow(_Data):
     num_hbm_blocks: int
     num_dram_blocks: int
     times: Attribution  # so far
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was first admitted
 
 
 class QueuesReply(_Msg, tag="admin_queues_reply"):

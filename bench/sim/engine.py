@@ -51,7 +51,7 @@ from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
 from shared.config import DEFAULT_PIPELINE_DEPTH
-from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, StepTimings, TokenOutput
+from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, TokenOutput
 
 TOKEN = 1  # the id every synthesized sample carries but a request's last
 STOP = 2  # a request's last sample when it asks for more than its true output (`SimSetup.max_tokens`)
@@ -163,7 +163,6 @@ class InFlight:
     sampled: list[str]  # request ids that sample in this step
     tokens: list[int] | None = None  # the id each samples (TOKEN for all when None)
     end: float = math.inf  # when its result is back (the cost model's)
-    compute_s: float = 0.0  # reported back, as a worker does (the core learns step times from it)
 
 
 def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
@@ -199,7 +198,7 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         run.compute_ms.append(compute_s * 1e3)
         run.xfer_ms.append(x.total_s * 1e3)
         last = [STOP if num_samples[int(r)] == items[int(r)].output_tokens else TOKEN for r in sampled]
-        return InFlight(plan.step_id, sampled, last, end, compute_s)
+        return InFlight(plan.step_id, sampled, last, end)
 
     def idle() -> None:  # a schedule() call that built no plan
         run.sched_wall_ms.append(driver.schedule_s * 1e3)
@@ -268,7 +267,7 @@ def run_clock(
         if driver.in_flight:
             f = driver.in_flight[0]
             tokens = f.tokens if f.tokens is not None else [TOKEN] * len(f.sampled)
-            _, outputs = driver.result(StepResult(f.step_id, f.sampled, tokens, StepTimings(compute_s=f.compute_s)), now)
+            _, outputs = driver.result(StepResult(f.step_id, f.sampled, tokens), now)
             applied(outputs, now)
         following = next_result()
         merged = following - now < tick_s and following <= arrival

@@ -116,29 +116,22 @@ def match_requests(records: list[RequestRecord], finishes: list[dict]) -> dict[i
 
 
 def replay_plans(
-    items: list[WorkItem],
-    arrivals: list[float],
-    result_times: list[float],
-    cfg: SchedulerConfig,
-    pools: Pools,
-    compute_s: list[float] | None = None,
+    items: list[WorkItem], arrivals: list[float], result_times: list[float], cfg: SchedulerConfig, pools: Pools
 ) -> list[tuple[StepWork, int]]:
     """(work, number of samples) of every plan the live scheduler built, re-derived: a fresh
     core, driven as the service drives it (the step driver, `DEFAULT_PIPELINE_DEPTH` plans in
     flight), gets each request at its arrival and each result at the time the service got
     it, and plans once per tick after its updates (results closer than `TICK_S` came in one
     tick), `SCHEDULE_LAG_S` later. Times are epoch seconds; only their order and spacing
-    matter. `compute_s`, the live steps' compute times in order, is reported back with each
-    result as the worker did (the core's step-time model learns from it)."""
+    matter."""
     core = SchedulerCore(cfg, pools.num_hbm_blocks, pools.num_dram_blocks, pools.max_model_len)
     num_samples = [0] * len(items)
     plans: list[tuple[StepWork, int]] = []
 
     def send(plan: Plan, step: Step, schedule_s: float) -> engine.InFlight:
         work, sampled = engine.plan_work(plan, items, num_samples)
-        i = len(plans)
         plans.append((work, len(sampled)))
-        return engine.InFlight(plan.step_id, sampled, compute_s=compute_s[i] if compute_s and i < len(compute_s) else 0.0)
+        return engine.InFlight(plan.step_id, sampled)
 
     timed = sorted(zip(arrivals, engine.requests_of(items)), key=lambda a: a[0])
     start = min([*arrivals, *result_times], default=0.0)
@@ -203,9 +196,7 @@ class Served:
     def of(cls, run: LiveRun, items: list[WorkItem], log_path: Path, cfg: SchedulerConfig, pools: Pools) -> Served:
         matched = match_requests(run.records, scheduler_finishes(log_path, *run.wall))
         arrivals = arrivals_at_scheduler(run, items, matched)
-        plans = replay_plans(
-            items, arrivals, [s["t"] for s in run.steps], cfg, pools, [s["compute_s"] for s in run.steps]
-        )
+        plans = replay_plans(items, arrivals, [s["t"] for s in run.steps], cfg, pools)
         samples, same = step_samples(plans, run.steps)
         return cls(samples, same, client_latencies(run.records, matched))
 

@@ -171,10 +171,15 @@ class CompletionRequest(_Sampling, kw_only=True):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens whose KV the prefix cache held
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class Reported(Struct):

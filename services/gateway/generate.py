@@ -30,6 +30,7 @@ class Piece:
     token_ids: Sequence[int] = ()
     logprobs: Sequence[TokenLogprobs] = ()
     prompt_logprobs: Sequence[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # on the first piece: prompt tokens the prefix cache held
 
 
 @dataclass
@@ -66,6 +67,8 @@ async def generate(
             else:
                 timing.on_tokens(len(reply.token_ids))
                 piece = _with_logprobs(_piece(reply.token_ids, reply.finish_reason, text), reply)
+                if reply.num_cached_tokens:
+                    piece = dataclasses.replace(piece, num_cached_tokens=reply.num_cached_tokens)
             timing.finish_reason = piece.finish_reason
             yield piece
             if piece.finish_reason is not None:

@@ -24,6 +24,7 @@ from services.gateway.api import (
     Completion,
     CompletionChoice,
     Delta,
+    PromptTokensDetails,
     Usage,
     encode_json,
 )
@@ -35,8 +36,13 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 log = structlog.get_logger()
 
 
-def usage(num_prompt: int, num_output: int) -> Usage:
-    return Usage(prompt_tokens=num_prompt, completion_tokens=num_output, total_tokens=num_prompt + num_output)
+def usage(num_prompt: int, num_output: int, num_cached: int) -> Usage:
+    return Usage(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_output,
+        total_tokens=num_prompt + num_output,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+    )
 
 
 class Format(Protocol):
@@ -137,13 +143,14 @@ class CompletionFormat:
 
 
 async def respond_full(pieces: AsyncIterator[Piece], fmt: Format, num_prompt: int) -> web.Response:
-    texts, num_output, finish, all_pieces = [], 0, None, []
+    texts, num_output, num_cached, finish, all_pieces = [], 0, 0, None, []
     async for p in pieces:
         texts.append(p.text)
         num_output += p.num_tokens
+        num_cached = max(num_cached, p.num_cached_tokens)
         finish = p.finish_reason
         all_pieces.append(p)
-    body = fmt.whole("".join(texts), finish, usage(num_prompt, num_output), all_pieces)
+    body = fmt.whole("".join(texts), finish, usage(num_prompt, num_output, num_cached), all_pieces)
     return web.Response(body=encode_json(body), content_type="application/json")
 
 
@@ -169,16 +176,17 @@ async def respond_stream(
 
 
 async def _write_events(resp, first, pieces, fmt: Format, num_prompt: int, include_usage: bool) -> None:
-    num_output = 0
+    num_output = num_cached = 0
     try:
         if (opening := fmt.opening()) is not None:
             await resp.write(sse(opening))
         async for p in _chain(first, pieces):
             num_output += p.num_tokens
+            num_cached = max(num_cached, p.num_cached_tokens)
             if p.text or p.finish_reason or fmt.has_news(p):
                 await resp.write(sse(fmt.chunk(p.text, p.finish_reason, p)))
         if include_usage:
-            await resp.write(sse(fmt.usage_chunk(usage(num_prompt, num_output))))
+            await resp.write(sse(fmt.usage_chunk(usage(num_prompt, num_output, num_cached))))
     except ApiError as e:  # headers are gone: the error travels as an event
         log.warning("stream_failed", status=e.status, error=e.info.message)
         await resp.write(sse(e.body()))

@@ -211,6 +211,7 @@ def request_row(req: Request, tl: Timeline | None, cfg: SchedulerConfig, now: fl
         num_hbm_blocks=len(req.hbm_blocks),
         num_dram_blocks=len(req.dram_blocks),
         times=tl.attribution(now) if tl else p.Attribution(),
+        num_cached_tokens=req.num_cached_tokens,
     )
 
 

@@ -229,3 +229,21 @@ def test_models_health_metrics(server):
                  'superinfer:kv_total_blocks{tier="dram"}', "superinfer:time_to_first_token_seconds_bucket",
                  "superinfer:e2e_request_latency_seconds_count", "superinfer:http_requests_total"):
         assert name in text, name
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(server):
+    """The same long prompt twice: the second computes only what the cache lacked, as
+    `usage.prompt_tokens_details.cached_tokens` says (whole blocks, never the last token)."""
+    prompt = f"Request at {time.monotonic()}. " + "Tell me about the sea. " * 40  # no earlier request shares it
+    first, second = (greedy_completion(server, prompt) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
+    assert second.choices[0].text == first.choices[0].text
+    chunks = list(
+        sync_client(server).completions.create(
+            model=server.model, prompt=prompt, max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached

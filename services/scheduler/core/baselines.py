@@ -57,9 +57,7 @@ def schedule_trtllm(core: PolicyView, step: Step) -> None:
             return
         if req.num_pending or not req.num_schedulable():
             continue
-        num_new = step.grant(req.num_schedulable())
-        if num_new == 0:
-            continue  # the step's prefill cap is spent
+        num_new = min(req.num_schedulable(), step.tokens_left)
         need = reserved_blocks(core, req)
         step.num_blocks_wanted += need
         if core.memory.hbm.num_free - owed < need:
@@ -88,9 +86,7 @@ def schedule_lightllm(core: PolicyView, step: Step) -> None:
             return
         if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
             continue
-        num_new = step.grant(req.num_schedulable())
-        if num_new == 0:
-            continue  # the step's prefill cap is spent
+        num_new = min(req.num_schedulable(), step.tokens_left)
         need = core.memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
         step.num_blocks_wanted += need
         mine = (req.num_known, tokens_left(req, mean_out))
@@ -143,11 +139,9 @@ def admit_displacing(core: PolicyView, step: Step, candidates: list[Request], ra
     for req in candidates:
         if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
             continue
-        if min(step.tokens_left, step.seqs_left) - num_decodes <= 0 or len(core.running) >= cfg.max_num_seqs:
+        num_new = min(req.num_schedulable(), step.tokens_left - num_decodes)
+        if num_new <= 0 or step.seqs_left - num_decodes <= 0 or len(core.running) >= cfg.max_num_seqs:
             return
-        num_new = step.grant(req.num_schedulable(), reserve=num_decodes)
-        if num_new == 0:
-            continue  # the step's prefill cap is spent
         need = memory.blocks_to_admit(req, num_new, cfg.reserve_full_prompt)
         step.num_blocks_wanted += need
         if not memory.hbm.can_allocate(need):
@@ -167,6 +161,9 @@ def admit_displacing(core: PolicyView, step: Step, candidates: list[Request], ra
                     break
                 num_decodes -= victim.num_schedulable() == 1
                 core.preempt(victim, step)
+            # A victim's blocks that another request shares (prefix caching) stay in use.
+            if not memory.hbm.can_allocate(memory.blocks_to_admit(req, num_new, cfg.reserve_full_prompt)):
+                return
         core.admit(req, step, num_new)
 
 

@@ -49,11 +49,6 @@ class SchedulerConfig:
     beta_b: float = _flag(0.0, "TBT slack share before VLT grows (default %(default)s)")
     xfer_budget: int = _flag(2400, "B_xfer: KV blocks that may be rotated per step (default %(default)s)")
     max_batched_tokens: int = _flag(512, "chunked-prefill token budget per step, decodes first (default %(default)s)")
-    slo_chunking: bool = _flag(
-        True,
-        "while requests are decoding, cap a step's prefill tokens so that the step's predicted "
-        "compute time (fitted from the worker's reports) stays within their TBT SLO (default %(default)s)",
-    )
     max_num_seqs: int = _flag(64, "requests per step at most (default %(default)s)")
     max_waiting: int = _flag(  # WAITING requests (no KV yet)
         0, "requests waiting for their first schedule at most; beyond it new ones get 429 (0 = unbounded)"

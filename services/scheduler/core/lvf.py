@@ -83,11 +83,9 @@ def admit_by_vlt(
     for v, req in candidates:
         if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
             continue  # evicted this step, or its sample is in flight
-        if step.tokens_left - num_decodes <= 0 or step.seqs_left - num_decodes <= 0:
+        num_new = min(req.num_schedulable(), step.tokens_left - num_decodes)
+        if num_new <= 0 or step.seqs_left - num_decodes <= 0:
             return
-        num_new = step.grant(req.num_schedulable(), reserve=num_decodes)
-        if num_new == 0:
-            continue  # the prefill cap is spent; a paused decode may still resume
         need = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
         step.num_blocks_wanted += need
         if len(req.dram_blocks) > step.moves_left:

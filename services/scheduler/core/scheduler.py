@@ -20,7 +20,6 @@ from .memory import Memory
 from .queues import RequestHeap
 from .request import Request, Status, blocks_for
 from .step import Step
-from .steptime import MIN_PREFILL_CHUNK, StepTimeModel
 from .vlt import lag_key
 
 
@@ -74,8 +73,6 @@ class SchedulerCore:
         self.num_finished = 0
         self.num_finished_output_tokens = 0
         self.num_aborted = 0
-        self.step_time = StepTimeModel()
-        self._step_tokens: dict[int, int] = {}  # tokens of each plan in flight, for step_time
 
     # ------------------------------------------------------------ requests in
 
@@ -138,9 +135,6 @@ class SchedulerCore:
         """Append sampled tokens and release the blocks the step copied from. Tokens of
         requests that finished or were aborted since their step was planned are ignored."""
         self.memory.step_done(result.step_id)
-        num_tokens = self._step_tokens.pop(result.step_id, 0)
-        if num_tokens and result.timings.compute_s > 0:
-            self.step_time.observe(num_tokens, result.timings.compute_s)
         outputs: list[TokenOutput] = []
         for request_id, token in zip(result.request_ids, result.token_ids):
             req = self.requests.get(request_id)
@@ -156,6 +150,8 @@ class SchedulerCore:
             elif req.status is not Status.RUNNING:
                 self._enqueue(req)  # its lag key moved
             out = TokenOutput(request_id, [token], reason)
+            if len(req.output_token_ids) == 1:
+                out.num_cached_tokens = req.num_cached_tokens
             if request_id in result.logprobs:  # only requests that asked have an entry
                 out.logprobs = [result.logprobs[request_id]]
             if request_id in result.prompt_logprobs:
@@ -190,7 +186,6 @@ class SchedulerCore:
             step_id=self.step_id,
             now=now,
             tokens_left=cfg.max_batched_tokens,
-            prefill_left=self._prefill_cap(),
             moves_left=cfg.xfer_budget,
             seqs_left=cfg.max_num_seqs,
             free_hbm_at_start=memory.hbm.num_free,
@@ -213,17 +208,6 @@ class SchedulerCore:
         busy = step.scheduled or step.num_moved or step.num_preempted or self.pending_drops
         return self._build_plan(step) if busy else None
 
-    def _prefill_cap(self) -> int:
-        """Prefill tokens this step may take: the token budget, or with `slo_chunking`
-        while requests are decoding, what keeps the step within their tightest TBT SLO."""
-        cap = self.cfg.max_batched_tokens
-        decoding = [r for r in self.running.values() if r.has_emitted]
-        if self.cfg.slo_chunking and decoding:
-            slo = min(r.tbt_slo for r in decoding)
-            fitted = self.step_time.prefill_cap(len(decoding), slo, MIN_PREFILL_CHUNK)
-            cap = min(cap, fitted) if fitted is not None else cap
-        return cap
-
     def _build_plan(self, step: Step) -> Plan:
         new_requests: list[NewRequestData] = []
         scheduled: list[ScheduledRequest] = []
@@ -245,7 +229,6 @@ class SchedulerCore:
             drop=self.pending_drops,
         )
         self.pending_drops = []
-        self._step_tokens[step.step_id] = sum(r.step_new_tokens for r in step.scheduled)
         self.step_id += 1
         return plan
 

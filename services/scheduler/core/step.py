@@ -13,7 +13,6 @@ class Step:
     step_id: int
     now: float
     tokens_left: int  # chunked-prefill token budget
-    prefill_left: int  # of which prefill chunks may still take (the SLO cap, steptime.py)
     moves_left: int  # B_xfer: blocks that may still be copied this step
     seqs_left: int  # requests that may still be scheduled this step
     free_hbm_at_start: int
@@ -38,15 +37,6 @@ class Step:
     def num_moved(self) -> int:
         return len(self.swap_in) + len(self.swap_out) + len(self.eager)
 
-    def grant(self, num_schedulable: int, reserve: int = 0) -> int:
-        """Tokens a request with `num_schedulable` to compute gets this step: within the
-        token budget less `reserve` (kept for decodes not placed yet) and, for a prefill
-        chunk, within the step's prefill cap. 0 when none is left."""
-        num = min(num_schedulable, self.tokens_left - reserve)
-        if num > 1:
-            num = min(num, self.prefill_left)
-        return max(num, 0)
-
     def schedule(self, req: Request, num_new_tokens: int) -> None:
         """Advance `req` by `num_new_tokens` (its blocks must already be allocated)."""
         req.step_new_tokens = num_new_tokens
@@ -55,8 +45,6 @@ class Step:
         if req.num_computed_tokens == req.num_known:
             req.num_pending += 1  # reached the end of its known tokens: it samples
         self.tokens_left -= num_new_tokens
-        if num_new_tokens > 1:
-            self.prefill_left -= num_new_tokens
         self.seqs_left -= 1
         self.scheduled.append(req)
 
