@@ -8,15 +8,16 @@ given for it) and keeps the difference of each counter it finds:
 
 | column        | ours (gateway /metrics; scheduler --metrics-port)            | vLLM                          |
 | ------------- | ------------------------------------------------------------ | ----------------------------- |
-| preemptions   | superinfer:num_preemptions (gateway), ..._total (scheduler)  | vllm:num_preemptions_total    |
-| recomputes    | superinfer:num_recomputes, ..._total                         | —                             |
-| rotations out | superinfer:num_rotations / superinfer:rotations_total, out   | —                             |
-| swapped in    | superinfer:kv_blocks_moved[_total], kind swap_in             | —                             |
+| preemptions   | superinfer:num_preemptions_total                             | vllm:num_preemptions_total    |
+| recomputes    | superinfer:num_recomputes_total                              | —                             |
+| rotations out | superinfer:rotations_total{direction="out"}                  | —                             |
+| swapped in    | superinfer:kv_blocks_moved_total{kind="swap_in"}             | —                             |
 | stall ratio   | superinfer:pipeline_stalls_total / step_time_seconds_count   | —                             |
 |               | {phase="compute"}, both on the scheduler's endpoint only     |                               |
 
 A counter no endpoint exposes is None in the JSON and "n/a" in the table. Samples of one
-name are summed over their other labels (several schedulers, vLLM's engine label).
+name are summed over their other labels (vLLM's engine label); across endpoints the largest
+counts (the gateway sums every scheduler's, a scheduler's endpoint has its own).
 """
 
 from __future__ import annotations
@@ -38,20 +39,10 @@ SETTLE_S = 1.5
 
 # counter -> its (sample name, labels it must carry) on each kind of server, first found wins
 COUNTERS: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
-    "preemptions": (
-        ("vllm:num_preemptions_total", {}),
-        ("superinfer:num_preemptions", {}),
-        ("superinfer:num_preemptions_total", {}),
-    ),
-    "recomputes": (("superinfer:num_recomputes", {}), ("superinfer:num_recomputes_total", {})),
-    "rotations_out": (
-        ("superinfer:num_rotations", {"direction": "out"}),
-        ("superinfer:rotations_total", {"direction": "out"}),
-    ),
-    "blocks_swapped_in": (
-        ("superinfer:kv_blocks_moved", {"kind": "swap_in"}),
-        ("superinfer:kv_blocks_moved_total", {"kind": "swap_in"}),
-    ),
+    "preemptions": (("vllm:num_preemptions_total", {}), ("superinfer:num_preemptions_total", {})),
+    "recomputes": (("superinfer:num_recomputes_total", {}),),
+    "rotations_out": (("superinfer:rotations_total", {"direction": "out"}),),
+    "blocks_swapped_in": (("superinfer:kv_blocks_moved_total", {"kind": "swap_in"}),),
     "stalls": (("superinfer:pipeline_stalls_total", {}),),
     "steps": (("superinfer:step_time_seconds_count", {"phase": "compute"}),),
 }
@@ -113,14 +104,19 @@ def scrape(urls: list[str]) -> dict[str, float | None]:
             continue
         for family in families:
             for s in family.samples:
-                samples.setdefault(s.name, []).append((s.labels, s.value))
+                samples.setdefault(s.name, []).append((url, s.labels, s.value))
     out: dict[str, float | None] = {}
     for key, choices in COUNTERS.items():
         out[key] = None
         for name, want in choices:
-            found = [v for labels, v in samples.get(name, []) if want.items() <= labels.items()]
-            if found:
-                out[key] = sum(found)
+            per_url: dict[str, float] = {}
+            for url, labels, v in samples.get(name, []):
+                if want.items() <= labels.items():
+                    per_url[url] = per_url.get(url, 0.0) + v
+            if per_url:
+                # The gateway sums every scheduler's count; a scheduler's endpoint has its
+                # own: the largest is the whole, not their sum.
+                out[key] = max(per_url.values())
                 break
     return out
 

@@ -39,13 +39,20 @@ class Timing:
 
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)  # between replies that carried tokens
     num_output_tokens: int = 0
     finish_reason: str | None = None
     attribution: Attribution | None = None  # the scheduler's, on its final output
 
     def on_tokens(self, n: int) -> None:
-        if n and self.first_token is None:
-            self.first_token = time.monotonic()
+        if n:
+            now = time.monotonic()
+            if self.first_token is None:
+                self.first_token = now
+            else:
+                self.gaps.append(now - self.last_token)
+            self.last_token = now
         self.num_output_tokens += n
 
 

@@ -5,6 +5,7 @@ gauges are summed over the live schedulers each time /metrics is read."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from services.gateway.generate import Timing
 from shared.protocol import SchedulerStats
@@ -31,6 +32,9 @@ class GatewayMetrics:
         self.tbt = Histogram(
             "superinfer:time_per_output_token_seconds", "Mean time between tokens", buckets=_TBT_BUCKETS, registry=r
         )
+        self.itl = Histogram(
+            "superinfer:inter_token_latency_seconds", "Every gap between two tokens", buckets=_TBT_BUCKETS, registry=r
+        )
         self.e2e = Histogram(
             "superinfer:e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -47,10 +51,8 @@ class GatewayMetrics:
         self.rotary = g("superinfer:num_requests_rotary", "Requests paused with KV in DRAM")
         self.free_blocks = g("superinfer:kv_free_blocks", "Free KV blocks", ["tier"])
         self.total_blocks = g("superinfer:kv_total_blocks", "KV blocks", ["tier"])
-        self.preemptions = g("superinfer:num_preemptions", "Preemptions reported by schedulers")
-        self.recomputes = g("superinfer:num_recomputes", "Preemptions that dropped KV for recompute")
-        self.rotations = g("superinfer:num_rotations", "Requests rotated between tiers", ["direction"])
-        self.blocks_moved = g("superinfer:kv_blocks_moved", "KV blocks copied between tiers", ["kind"])
+        self._stats: list[SchedulerStats] = []
+        r.register(_SchedulerCounters(lambda: self._stats))
 
     def observe_finished(self, timing: Timing, num_prompt_tokens: int, end: float) -> None:
         self.request_success.labels(finished_reason=timing.finish_reason or "unknown").inc()
@@ -63,6 +65,8 @@ class GatewayMetrics:
             self.ttft.observe(timing.first_token - timing.arrival)
             if timing.num_output_tokens > 1:
                 self.tbt.observe((end - timing.first_token) / (timing.num_output_tokens - 1))
+        for gap in timing.gaps:
+            self.itl.observe(gap)
 
     def render(self, stats: list[SchedulerStats]) -> bytes:
         self._set_scheduler_gauges(stats)
@@ -73,14 +77,36 @@ class GatewayMetrics:
         self.running.set(sum(s.num_running for s in stats))
         self.waiting.set(sum(s.num_waiting for s in stats))
         self.rotary.set(sum(s.num_rotary for s in stats))
-        self.preemptions.set(sum(s.num_preemptions for s in stats))
-        self.recomputes.set(sum(s.num_recomputes for s in stats))
-        self.rotations.labels(direction="out").set(sum(s.num_rotations_out for s in stats))
-        self.rotations.labels(direction="in").set(sum(s.num_rotations_in for s in stats))
-        self.blocks_moved.labels(kind="swap_out").set(sum(s.num_blocks_swapped_out for s in stats))
-        self.blocks_moved.labels(kind="swap_in").set(sum(s.num_blocks_swapped_in for s in stats))
-        self.blocks_moved.labels(kind="mirror").set(sum(s.num_blocks_mirrored for s in stats))
+        self._stats = stats
         self.free_blocks.labels(tier="hbm").set(sum(s.num_free_hbm_blocks for s in stats))
         self.free_blocks.labels(tier="dram").set(sum(s.num_free_dram_blocks for s in stats))
         self.total_blocks.labels(tier="hbm").set(sum(s.num_hbm_blocks for s in stats))
         self.total_blocks.labels(tier="dram").set(sum(s.num_dram_blocks for s in stats))
+
+
+class _SchedulerCounters:
+    """The schedulers' cumulative counts, summed, as counters under the names and types the
+    scheduler's own endpoint gives them (services/scheduler/metrics.py): one series, one type,
+    on every port."""
+
+    def __init__(self, stats) -> None:
+        self._stats = stats  # () -> the latest list[SchedulerStats]
+
+    def collect(self):
+        stats = self._stats()
+        total = lambda key: sum(getattr(s, key) for s in stats)  # noqa: E731
+        yield CounterMetricFamily(
+            "superinfer:num_preemptions", "Running requests preempted", value=total("num_preemptions")
+        )
+        yield CounterMetricFamily(
+            "superinfer:num_recomputes", "Preemptions that dropped KV for recompute", value=total("num_recomputes")
+        )
+        rot = CounterMetricFamily("superinfer:rotations", "Requests rotated between tiers", labels=["direction"])
+        rot.add_metric(["out"], total("num_rotations_out"))
+        rot.add_metric(["in"], total("num_rotations_in"))
+        yield rot
+        moved = CounterMetricFamily("superinfer:kv_blocks_moved", "KV blocks copied between tiers", labels=["kind"])
+        for kind, key in (("swap_in", "num_blocks_swapped_in"), ("swap_out", "num_blocks_swapped_out"),
+                          ("mirror", "num_blocks_mirrored")):  # fmt: skip
+            moved.add_metric([kind], total(key))
+        yield moved

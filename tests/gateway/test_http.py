@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import aiohttp
@@ -229,6 +230,24 @@ def test_models_health_metrics(server):
                  'superinfer:kv_total_blocks{tier="dram"}', "superinfer:time_to_first_token_seconds_bucket",
                  "superinfer:e2e_request_latency_seconds_count", "superinfer:http_requests_total"):
         assert name in text, name
+
+
+def test_metrics_count_every_token_gap_and_keep_one_type_per_name(server):
+    """Every gap between two tokens is observed; the schedulers' cumulative counts are
+    counters here as on the scheduler's own endpoint (a name is never a gauge on one port
+    and a counter on another)."""
+
+    def gaps() -> float:
+        text = raw(server, "GET", "/metrics")[2].decode()
+        return float(re.search(r"^superinfer:inter_token_latency_seconds_count (\S+)$", text, re.M).group(1))
+
+    before = gaps()
+    r = greedy_completion(server, "Count from one to ten:", extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == MAX_TOKENS
+    assert gaps() - before == MAX_TOKENS - 1
+    text = raw(server, "GET", "/metrics")[2].decode()
+    for name in ("num_preemptions", "num_recomputes", "rotations", "kv_blocks_moved"):
+        assert f"# TYPE superinfer:{name}_total counter" in text, name
 
 
 def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(server):
