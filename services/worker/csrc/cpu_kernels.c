@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void attend_span(
                 s[t] = exp_nonpositive(s[t] - m);
                 sum += s[t];
             }
-            const float correction = exp_nonpositive(mx[h] - m); /* 0 on the first chunk: mx was -inf */
+            const float correction = exp_nonpositive(mx[h] - m); /* ~0 on the first chunk (mx -inf, acc 0) */
             mx[h] = m;
             sm[h] = sm[h] * correction + sum;
             float a[MAX_HEAD_DIM];
