@@ -178,7 +178,7 @@ def test_top_renders_under_a_pty_and_exits_on_ctrl_c(live):
     cmd = [sys.executable, "-m", "services.cli", "top", "--admin", live.admin, "--interval", "0.3"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=slave, stdout=slave, stderr=slave)
     os.close(slave)
-    out = read_pty(master, proc, seconds=4.0, signal_after=3.0)
+    out = read_pty(master, proc, b"cmpl-")
     os.close(master)
     for t in threads:
         t.join(timeout=120)
@@ -188,13 +188,17 @@ def test_top_renders_under_a_pty_and_exits_on_ctrl_c(live):
     assert "\x1b[?1049h" in out and out.rstrip().endswith("\x1b[?1049l"), repr(out[-200:])
 
 
-def read_pty(master: int, proc: subprocess.Popen, seconds: float, signal_after: float) -> str:
-    """Everything the program writes; SIGINT (what Ctrl-C sends) after `signal_after` s."""
+def read_pty(master: int, proc: subprocess.Popen, shown: bytes, timeout: float = 60.0) -> str:
+    """Everything the program writes; SIGINT (what Ctrl-C sends) a second after it has shown
+    `shown` (a cold start, importing and compiling, can take seconds), or at `timeout`."""
     chunks: list[bytes] = []
     start = time.monotonic()
-    signalled = False
-    while time.monotonic() - start < seconds + 10:
-        if not signalled and time.monotonic() - start > signal_after:
+    shown_at, signalled = None, False
+    while time.monotonic() - start < timeout + 10:
+        now = time.monotonic()
+        if shown_at is None and (shown in b"".join(chunks) or now - start > timeout):
+            shown_at = now
+        if not signalled and shown_at is not None and now - shown_at > 1.0:
             proc.send_signal(signal.SIGINT)
             signalled = True
         ready, _, _ = select.select([master], [], [], 0.1)
