@@ -67,7 +67,8 @@ def test_dead_gateway_is_restarted_and_leaves_no_orphans(tmp_path):
         )
         stream = urllib.request.urlopen(req, timeout=30)
         stream.readline()  # tokens are flowing
-        assert server.scheduler_stats()["num_running"] == 1
+        # the stats are the scheduler's latest report, which may predate the first step
+        assert wait_for(lambda: server.scheduler_stats()["num_running"] == 1, timeout=10), server.log_tail()
         os.kill(kids["gateway"], signal.SIGKILL)
         stream.close()
         assert wait_for(lambda: server.logged("restarting it"), timeout=10), server.log_tail()
