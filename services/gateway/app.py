@@ -58,6 +58,7 @@ class GatewayState:
 
     def __post_init__(self) -> None:
         self._seeds = None if self.seed is None else random.Random(self.seed)
+        self.metrics.exposed.model_name = self.names()[0]
 
     def names(self) -> list[str]:
         """The names /v1/models lists, the first one the default in responses."""

@@ -1,6 +1,7 @@
 """Prometheus metrics of one gateway, in a registry of its own (several gateways may run in
-one process under test). Names follow vLLM's where the meaning is the same; the scheduler
-gauges are summed over the live schedulers each time /metrics is read."""
+one process under test). Names follow vLLM's where the meaning is the same, and every series
+carries `model_name` (the first served name); the scheduler gauges are summed over the live
+schedulers each time /metrics is read."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 
 from services.gateway.generate import Timing
+from shared.prometheus import Exposed
 from shared.protocol import SchedulerStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -53,6 +55,7 @@ class GatewayMetrics:
         self.total_blocks = g("superinfer:kv_total_blocks", "KV blocks", ["tier"])
         self._stats: list[SchedulerStats] = []
         r.register(_SchedulerCounters(lambda: self._stats))
+        self.exposed = Exposed(r)  # every series with model_name, once the app sets it
 
     def observe_finished(self, timing: Timing, num_prompt_tokens: int, end: float) -> None:
         self.request_success.labels(finished_reason=timing.finish_reason or "unknown").inc()
@@ -70,7 +73,7 @@ class GatewayMetrics:
 
     def render(self, stats: list[SchedulerStats]) -> bytes:
         self._set_scheduler_gauges(stats)
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed.registry)
 
     def _set_scheduler_gauges(self, stats: list[SchedulerStats]) -> None:
         self.num_schedulers.set(len(stats))

@@ -22,6 +22,7 @@ from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.core.vlt import lag_key, lag_vlt
 from shared import protocol as p
+from shared.prometheus import Exposed
 
 WINDOW_S = 60.0
 STALL_THRESHOLD_S = 0.001
@@ -281,6 +282,8 @@ class SchedulerMetrics:
         self.slo_gaps = Counter("superinfer:slo_tbt_gaps", "Token gaps by TBT SLO met", ["attained"], registry=r)
         self.snapshot = _Snapshot()
         r.register(self.snapshot)
+        # What /metrics serves: every series with model_name, the worker's (set when it is ready).
+        self.exposed = Exposed(r)
 
     def observe_step(self, flight: Flight, t: p.StepTimings, stalled: bool, block_bytes: int) -> None:
         self.step_time.labels(phase="schedule").observe(flight.schedule_s)
@@ -308,7 +311,7 @@ class SchedulerMetrics:
         if port is None:
             return None
         try:
-            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+            server, _thread = start_http_server(port, addr=host, registry=self.exposed.registry)
         except OSError as e:
             log.error("metrics endpoint disabled", port=port, error=str(e))
             return None

@@ -295,6 +295,7 @@ class SchedulerService:
             self._lose_worker("a new worker connected")
         self.worker = ready
         self.observer.block_bytes = ready.block_bytes
+        self.observer.metrics.exposed.model_name = ready.model_name
         # The worker owns the KV layout, so its block size wins.
         cfg = dataclasses.replace(self.cfg, block_size=ready.block_size)
         core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len, ready.model_name)

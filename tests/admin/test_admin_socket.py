@@ -7,6 +7,7 @@ import asyncio
 
 import msgspec
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared import protocol as p
 from tests.admin.conftest import TOKEN, run_rig, until
@@ -84,7 +85,7 @@ def test_queues_stats_abort_drain(tmp_path):
         assert isinstance(await admin.ask(p.DrainCommand(token=TOKEN, undo=True)), p.AdminAck)
         await gw.add("after")
         assert await until(lambda: (gw.final("after") is not None), timeout=20)
-        return others, stats, generate_latest(rig.service.observer.metrics.registry).decode()
+        return others, stats, generate_latest(rig.service.observer.metrics.exposed.registry).decode()
 
     others, stats, metrics = asyncio.run(run_rig(tmp_path, scenario))
     st, w = stats.stats, stats.window
@@ -99,7 +100,10 @@ def test_queues_stats_abort_drain(tmp_path):
         "superinfer:kv_transfer_seconds_total", "superinfer:request_phase_seconds_bucket",
     ):
         assert name in metrics, name
-    assert 'superinfer:rotations_total{direction="out"} 0.0' not in metrics
+    # Every series carries the worker's model name (vLLM's model_name label).
+    samples = [s for family in text_string_to_metric_families(metrics) for s in family.samples]
+    assert samples and all(s.labels.get("model_name") == "toy" for s in samples), metrics
+    assert any(s.name == "superinfer:rotations_total" and s.labels["direction"] == "out" and s.value > 0 for s in samples)
 
 
 def test_final_outputs_carry_attribution_that_adds_up(tmp_path):

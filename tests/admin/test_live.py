@@ -50,10 +50,12 @@ class Live:
     def scrape(self) -> dict[tuple[str, tuple], float]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        # vLLM's model_name label on every series (then left out of the keys below)
+        assert {s.labels.get("model_name") for s in samples} == {self.server.model}, text[-2000:]
         return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
+            (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for s in samples
         }
 
     def complete(self, prompt: str, max_tokens: int, **extra) -> tuple[int, dict]:

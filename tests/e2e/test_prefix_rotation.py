@@ -60,7 +60,7 @@ def serve_all(tmp_path, caching: bool) -> tuple[list[str], dict, float]:
         assert wait_for(lambda: stats()["num_free_hbm_blocks"] == HBM_BLOCKS), stats()
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
-        hits = re.search(r"^superinfer:prefix_cache_hits_total (\S+)$", text, re.M)
+        hits = re.search(r"^superinfer:prefix_cache_hits_total\{model_name=\"[^\"]+\"\} (\S+)$", text, re.M)
         assert hits is not None, text[-2000:]
         return outputs, stats(), float(hits.group(1))
     finally:

@@ -226,10 +226,13 @@ def test_models_health_metrics(server):
     status, _, body = raw(server, "GET", "/metrics")
     text = body.decode()
     assert status == 200
-    for name in ("superinfer:num_requests_running", 'superinfer:kv_free_blocks{tier="hbm"}',
-                 'superinfer:kv_total_blocks{tier="dram"}', "superinfer:time_to_first_token_seconds_bucket",
+    model = 'model_name="%s"' % server.model
+    for name in ("superinfer:num_requests_running{%s}" % model, 'superinfer:kv_free_blocks{%s,tier="hbm"}' % model,
+                 'superinfer:kv_total_blocks{%s,tier="dram"}' % model, "superinfer:time_to_first_token_seconds_bucket",
                  "superinfer:e2e_request_latency_seconds_count", "superinfer:http_requests_total"):
         assert name in text, name
+    # vLLM's model_name label on every series, as dashboards built for vLLM select by it.
+    assert all(model in line for line in text.splitlines() if line and not line.startswith("#")), text
 
 
 def test_metrics_count_every_token_gap_and_keep_one_type_per_name(server):
@@ -239,7 +242,7 @@ def test_metrics_count_every_token_gap_and_keep_one_type_per_name(server):
 
     def gaps() -> float:
         text = raw(server, "GET", "/metrics")[2].decode()
-        return float(re.search(r"^superinfer:inter_token_latency_seconds_count (\S+)$", text, re.M).group(1))
+        return float(re.search(r"^superinfer:inter_token_latency_seconds_count\{[^}]*\} (\S+)$", text, re.M).group(1))
 
     before = gaps()
     r = greedy_completion(server, "Count from one to ten:", extra_body={"ignore_eos": True})
