@@ -67,7 +67,7 @@ def test_alpha_and_beta_move_the_order():
 def test_waiting_request_displaces_the_longest_running_below_it_in_vlt_order():
     # 6 HBM blocks of 4 tokens; a and b hold 3 each. c's VLT is 0.2 + 0.5 s behind its
     # arrival: it ranks above a running request once that has run longer than c's slack left.
-    core = make_core("lvf", num_hbm=6, num_dram=32, block_size=4)
+    core = make_core("lvf", num_hbm=6, num_dram=32, block_size=4, admit_watermark=0.0)
     d = Driver(core)
     add(core, "a", 9, 15, now=0.0)
     d.now = 0.0
@@ -123,7 +123,7 @@ def test_rotary_requests_return_in_vlt_order():
     # paper's rule: no guard against rotation (test_min_residency_* has them).
     core = make_core(
         "lvf", num_hbm=8, num_dram=64, block_size=4, beta_b=1.0, xfer_budget=6, eager_rotation=False,
-        rotary_yields=False, min_residency_s=0.0,
+        rotary_yields=False, min_residency_s=0.0, admit_watermark=0.0,
     )
     d = Driver(core, dt=0.05)
     for i, tbt in enumerate([0.04, 0.01, 0.03, 0.02, 0.005, 0.015]):
@@ -151,7 +151,7 @@ def test_fcfs_when_hbm_holds_everything():
 
 
 def test_requests_larger_than_b_xfer_are_recomputed_not_swapped():
-    core = make_core("lvf", num_hbm=8, num_dram=64, block_size=4, xfer_budget=2, eager_rotation=False)
+    core = make_core("lvf", num_hbm=8, num_dram=64, block_size=4, xfer_budget=2, eager_rotation=False, admit_watermark=0.0)
     d = Driver(core, dt=0.05)
     add(core, "big", 20, 8, now=0.0)  # 5+ blocks: more than B_xfer
     d.step()

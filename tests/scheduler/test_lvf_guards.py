@@ -14,7 +14,7 @@ from .harness import Driver, add, make_core
 def rotated_out(**kw):
     """4 HBM blocks of 16 tokens. a and b (17-token prompts) hold 2 each; c, late for its
     first token at t=0.3, displaces a (the longest-running). Returns the driver at t=0.3."""
-    core = make_core("lvf", num_hbm=4, num_dram=32, block_size=16, min_residency_s=0.5, **kw)
+    core = make_core("lvf", num_hbm=4, num_dram=32, block_size=16, min_residency_s=0.5, admit_watermark=0.0, **kw)
     d = Driver(core, dt=0.05)
     add(core, "a", 17, 40, now=0.0)
     d.now = 0.0
@@ -83,3 +83,25 @@ def test_only_running_requests_with_negative_vlt_are_preempted():
             step = core.last_step
             assert all(r.run_start < step.now for r in step.preempted), step.step_id
         assert core.num_rotations_out > 0 and len(d.finish) == 10
+
+
+def test_admissions_leave_room_for_the_running_requests_to_grow():
+    """8 HBM blocks of 4 tokens; a (2 blocks) decodes; b (6 blocks) and c arrive. Filling HBM
+    to the last block admits b, and a's next block then preempts somebody; with a quarter of
+    HBM kept free while others run, b waits and nobody is preempted."""
+    for watermark in (0.0, 0.25):
+        core = make_core("lvf", num_hbm=8, num_dram=64, block_size=4, admit_watermark=watermark)
+        d = Driver(core, dt=0.01)
+        add(core, "a", 7, 12, now=0.0)
+        d.step()
+        add(core, "b", 21, 4, now=d.now)
+        add(core, "c", 3, 4, now=d.now)
+        admitted, preempted = [], []
+        while "a" in core.requests:
+            d.step()
+            admitted += [r.request_id for r in core.last_step.admitted]
+            preempted += [r.request_id for r in core.last_step.preempted]
+        assert ("b" in admitted) == (watermark == 0), (watermark, admitted)
+        assert bool(preempted) == (watermark == 0), (watermark, preempted)
+        d.run()
+        assert len(d.finish) == 3

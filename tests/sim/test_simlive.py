@@ -54,7 +54,7 @@ def test_replay_rederives_every_plan_of_a_simulated_run(policy, monkeypatch):
     items = items_of(40, 3.0)
     setting = simlive.Setting(policy=policy, hbm_blocks=POOLS.num_hbm_blocks)
     run = simlive.simulate(items, PROFILE, setting, POOLS)
-    assert policy == "fcfs" or run.stats["num_preemptions"] > 100
+    assert policy == "fcfs" or run.stats["num_preemptions"] > 40
     plans = replay.replay_plans(
         items, [it.arrival_s for it in items], run.step_end_s, setting.scheduler_config(), POOLS
     )

@@ -76,11 +76,17 @@ class SchedulerConfig:
     )
     # lvf's guards against a carousel of rotations (lvf.py): a paused request that has emitted
     # tokens displaces only requests that have run `min_residency_s`, and one it cannot place
-    # does not hold back the requests behind it (`rotary_yields`).
+    # does not hold back the requests behind it (`rotary_yields`); admissions leave
+    # `admit_watermark` of HBM free for the running requests' next blocks.
     min_residency_s: float = _flag(
-        2.0,
+        16.0,
         "lvf: a paused request that has emitted tokens preempts only requests that have run this "
         "long since put on the GPU, in seconds (default %(default)s)",
+    )
+    admit_watermark: float = _flag(
+        0.25,
+        "lvf: share of the HBM blocks a paused request may not take when others run: room for their "
+        "growth, which would otherwise preempt one of them (default %(default)s)",
     )
     rotary_yields: bool = _flag(
         True,
@@ -109,6 +115,8 @@ class SchedulerConfig:
             raise ValueError("alpha and the SLOs must be > 0")
         if self.min_residency_s < 0:
             raise ValueError("min_residency_s must be >= 0")
+        if not 0 <= self.admit_watermark < 1:
+            raise ValueError("admit_watermark must be in [0, 1)")
         if self.max_waiting < 0 or self.max_waiting_tokens < 0:
             raise ValueError("max_waiting and max_waiting_tokens must be >= 0")
 

@@ -24,6 +24,11 @@ waiting for its first token gains its TTFT.
 - `min_residency_s`: a paused request that has emitted tokens displaces only running
   requests that have run at least this long since they were put on the GPU. Requests
   waiting for their first token displace by VLT order alone.
+- `admit_watermark`: a paused request is admitted only if it leaves this share of HBM free
+  while others run. Without it admission fills HBM to the last block, and the running
+  requests' next blocks then preempt one of them (growth preemption, step 4): each a paused
+  request and a missed gap. (Simulator, ShareGPT seed 0, 65 blocks of 32 tokens, `cpu-live`:
+  at 1.25 req/s TBT attainment 93.5% without, 97.3% with 0.25, TTFT attainment 98-100% both.)
 - `rotary_yields`: such a request that cannot be placed does not end admission (step 3):
   the requests behind it may still be admitted. Off, the paused decodes held back by the
   residency block every new arrival behind them. (Measured against passing over only to
@@ -80,6 +85,7 @@ def admit_by_vlt(
 ) -> None:
     memory = core.memory
     num_decodes = sum(1 for r in tail if r.num_schedulable() == 1)  # token reserve
+    watermark = round(core.cfg.admit_watermark * memory.hbm.num_blocks)
     for v, req in candidates:
         if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
             continue  # evicted this step, or its sample is in flight
@@ -87,6 +93,8 @@ def admit_by_vlt(
         if num_new <= 0 or step.seqs_left - num_decodes <= 0:
             return
         need = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
+        if core.running:  # leave the running requests room to grow (the first admission needs none)
+            need += watermark
         step.num_blocks_wanted += need
         if len(req.dram_blocks) > step.moves_left:
             return  # its swap-in does not fit in this step's copy budget
