@@ -20,7 +20,8 @@ Two shapes of chat traffic that repeat themselves (prefix caching's workloads):
   (`max_tokens` with `ignore_eos`), so every server gets the same work, and greedy
   decoding sends the same prompts to a server with caching on and off. An item then
   carries the turn's user text and the history's length as the dataset's replies would
-  make it; the client (serve.py) and the simulator build the actual prompt.
+  make it; the client (serve.py) and the simulator build the actual prompt. A first turn's
+  prompt is the system prompt and the user turn; a later turn's, the user turn alone.
 
 Arrivals follow vLLM's `--request-rate`/`--burstiness` convention: gaps drawn from a gamma
 distribution with shape `burstiness` and mean `1/rate` (burstiness 1 is Poisson, below 1
@@ -52,7 +53,7 @@ _WORD = re.compile(r"^ [a-z]{2,12}$")
 
 @dataclass(frozen=True)
 class WorkItem:
-    prompt: str  # a turn of a conversation: the new user text only (the history is the client's)
+    prompt: str  # a later turn of a conversation: the text it adds after the history (the client's)
     prompt_tokens: int  # a turn: the whole prompt's, history included
     output_tokens: int
     arrival_s: float  # a later turn: its conversation's arrival (it is sent when the turn before ends)
@@ -270,16 +271,17 @@ def sample_conversations(
         if num == num_conversations:
             break
         k = num % len(systems) if systems else -1
-        history = len(tokenizer.encode(systems[k])) if systems else 0
-        num_sys = history
-        turns = []
+        system = systems[k] if systems else ""
+        num_sys = len(tokenizer.encode(system)) if systems else 0
+        history, turns = 0, []
         for q, a in dialogues[i][: max_turns or None]:
-            num_q = len(tokenizer.encode(USER + q + ASSISTANT, add_special_tokens=not history))
+            text = (system if not turns else "") + USER + q + ASSISTANT
+            num_q = len(tokenizer.encode(text, add_special_tokens=not turns))
             num_a = len(tokenizer.encode(a, add_special_tokens=False))
             prompt_tokens = history + num_q
             if num_q < MIN_TOKENS or num_a < MIN_TOKENS or prompt_tokens + num_a > MAX_TOTAL_TOKENS:
                 break
-            turns.append(WorkItem(q, prompt_tokens, num_a, 0.0, k, num_sys, num, len(turns), think_s))
+            turns.append(WorkItem(text, prompt_tokens, num_a, 0.0, k, num_sys, num, len(turns), think_s))
             history = prompt_tokens + num_a
         if turns:
             items += turns
