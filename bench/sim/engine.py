@@ -37,12 +37,13 @@ then no longer bit-for-bit repeatable).
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bench.live.workload import WorkItem
 from bench.report.metrics import RequestRecord
@@ -55,6 +56,7 @@ from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, TokenO
 
 TOKEN = 1  # the id every synthesized sample carries but a request's last
 STOP = 2  # a request's last sample when it asks for more than its true output (`SimSetup.max_tokens`)
+SYSTEM = -1  # the first id of shared system prompt k is SYSTEM - k
 
 
 # ---------------------------------------------------------------- the clock
@@ -130,8 +132,11 @@ def requests_of(items: list[WorkItem], max_tokens: int = 0, max_model_len: int =
     """One AddRequest per item: its prompt length in placeholder ids, `max_tokens` = its
     output length (no stop ids: the output ends exactly there), or with `max_tokens` that
     cap within `max_model_len` (the output ends with a STOP sample at its true length). The
-    first id is the item's own, so no two prompts share a prefix-cache block (real prompts
-    rarely share whole ones)."""
+    first id of its own text is the item's own, so no two prompts share a prefix-cache
+    block (real prompts rarely share whole ones) but for what they share by design: a
+    system prompt (its own first id, then placeholders), and a later turn of a
+    conversation, whose prompt is the turn before's prompt and output (the ids the
+    simulated worker samples) and then the new user text."""
 
     def params(it: WorkItem) -> SamplingParams:
         if not max_tokens:
@@ -139,9 +144,17 @@ def requests_of(items: list[WorkItem], max_tokens: int = 0, max_model_len: int =
         cap = max(it.output_tokens, min(max_tokens, max_model_len - it.prompt_tokens))
         return SamplingParams(max_tokens=cap, stop_token_ids=[STOP])
 
-    return [
-        AddRequest(str(i), [STOP + 1 + i] + [TOKEN] * (it.prompt_tokens - 1), params(it)) for i, it in enumerate(items)
-    ]
+    out: list[AddRequest] = []
+    for i, it in enumerate(items):
+        if it.turn > 0:
+            prev, before = items[i - 1], out[-1].prompt_token_ids
+            history = before + [TOKEN] * (prev.output_tokens - 1) + [STOP]
+            prompt = history + [STOP + 1 + i] + [TOKEN] * (it.prompt_tokens - len(history) - 1)
+        else:
+            system = [SYSTEM - it.system] + [TOKEN] * (it.system_tokens - 1) if it.system >= 0 else []
+            prompt = system + [STOP + 1 + i] + [TOKEN] * (it.prompt_tokens - len(system) - 1)
+        out.append(AddRequest(str(i), prompt, params(it)))
+    return out
 
 
 def noisy_predictor(items: list[WorkItem], sigma: float) -> Callable[[Request], float]:
@@ -204,19 +217,33 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         run.sched_wall_ms.append(driver.schedule_s * 1e3)
         check()
 
+    arrived = [it.arrival_s for it in items]  # a later turn: when the turn before ended + think time
+    cached = [0] * len(items)
+
     def applied(outputs: list[TokenOutput], now: float) -> None:
         for out in outputs:
-            times[int(out.request_id)].append(now)
+            i = int(out.request_id)
+            times[i].append(now)
+            if len(times[i]) == 1:
+                cached[i] = out.num_cached_tokens
+            if out.finish_reason is not None and i + 1 < len(items) and items[i + 1].turn > 0:
+                arrived[i + 1] = now + items[i + 1].think_s
+                bisect.insort(arrivals, (arrived[i + 1], requests[i + 1]), key=lambda a: a[0])
         check()
 
     driver = Driver(core, send, setup.pipeline_depth, time.perf_counter)
-    arrivals = sorted(((it.arrival_s, req) for it, req in zip(items, requests)), key=lambda a: a[0])
+    first = [(it.arrival_s, req) for it, req in zip(items, requests) if it.turn == 0]
+    arrivals = sorted(first, key=lambda a: a[0])
     run_clock(driver, arrivals, idle=idle, applied=applied)
     if core.has_unfinished():
         raise RuntimeError(f"simulation stuck: {core.stats()}")
-    run.records = [_record(it, [t + hw.client_latency_s for t in ts]) for it, ts in zip(items, times)]
+    run.records = [
+        _record(replace(it, arrival_s=t0), [t + hw.client_latency_s for t in ts], n)
+        for it, t0, ts, n in zip(items, arrived, times, cached)
+    ]
     run.duration_s = max((ts[-1] for ts in times if ts), default=0.0) - min((it.arrival_s for it in items), default=0.0)
-    run.stats = core.stats()
+    m = core.memory
+    run.stats = {**core.stats(), "num_blocks_reused_at_swap_in": m.num_swap_in_reused, "num_dram_blocks_shared": m.num_dram_shared}
     return run
 
 
@@ -291,7 +318,7 @@ def _sched_s(sched_time: str, hw: Hardware) -> float:
     return hw.sched_s if sched_time == "model" else float(sched_time) / 1e3
 
 
-def _record(item: WorkItem, token_times: list[float]) -> RequestRecord:
+def _record(item: WorkItem, token_times: list[float], num_cached: int | None = None) -> RequestRecord:
     if not token_times:
         return RequestRecord(ok=False, prompt_tokens=item.prompt_tokens, arrival_s=item.arrival_s, error="no output")
     return RequestRecord(
@@ -304,6 +331,7 @@ def _record(item: WorkItem, token_times: list[float]) -> RequestRecord:
         expected_output_tokens=item.output_tokens,
         arrival_s=item.arrival_s,
         start_s=item.arrival_s,
+        cached_tokens=num_cached,
     )
 
 

@@ -20,7 +20,15 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.live.workload import SyntheticSpec, WorkItem, arrival_times, load_workload, with_arrivals
+from bench.live.workload import (
+    ChatSpec,
+    SyntheticSpec,
+    WorkItem,
+    add_chat_arguments,
+    chat_spec,
+    draw_arrivals,
+    load_workload,
+)
 from bench.report.metrics import summarize
 from bench.report.plots import KNOBS, plot_attainment
 from bench.sim.costmodel import MODELS, Hardware, ModelShape, check_pair, load_hardware
@@ -45,6 +53,8 @@ def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: 
         **{k: getattr(cfg, k) for k in KNOBS if k != "transfer_mode"},
         "transfer_mode": setup.transfer_mode,
         **{k: getattr(cfg, k) for k in ("reserve_full_prompt", "min_residency_s", "rotary_yields")},
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "cached_token_share": s["cached_token_share"],
         "max_tokens": setup.max_tokens,
         "model": setup.model.name,
         "hardware": setup.hardware.name,
@@ -59,6 +69,7 @@ def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: 
         **{k: s[k] for k in keep},
         **{k: st[k] for k in ("num_preemptions", "num_recomputes", "num_rotations_out", "num_rotations_in")},
         **{k: st[k] for k in ("num_blocks_swapped_in", "num_blocks_swapped_out", "num_blocks_mirrored", "num_steps")},
+        **{k: st[k] for k in ("num_blocks_reused_at_swap_in", "num_dram_blocks_shared")},
         "num_hbm_blocks": setup.num_hbm_blocks,
         "num_dram_blocks": setup.num_dram_blocks,
         "duration_s": run.duration_s,
@@ -128,7 +139,7 @@ def sweep_seeds(
     for seed, items in items_by_seed.items():
         bare = [replace(it, prompt="") for it in items]  # the text is not simulated; keep pickles small
         for j in jobs:
-            timed = with_arrivals(bare, arrival_times(len(bare), j.rate, burstiness, seed)) if redraw else bare
+            timed = draw_arrivals(bare, j.rate, burstiness, seed) if redraw else bare
             args.append((timed, j.setup, j.rate, ttft_slo, tbt_slo))
     if num_procs <= 1 or len(args) == 1:
         rows = [run_one(*a) for a in args]
@@ -144,13 +155,14 @@ def load_items(
     seed: int = 0,
     tokenizer_path: str | None = None,
     synthetic: SyntheticSpec | None = None,
+    chat: ChatSpec | None = None,
 ) -> list[WorkItem]:
     """Requests with token counts from our tokenizer; arrivals are drawn per rate later."""
     from services.gateway.tokenizer import load_tokenizer
     from shared.modelfile import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(tokenizer_path))
-    return load_workload(dataset, num_requests, 1.0, tokenizer, seed=seed, synthetic=synthetic)
+    return load_workload(dataset, num_requests, 1.0, tokenizer, seed=seed, synthetic=synthetic, chat=chat)
 
 
 # ---------------------------------------------------------------- command line
@@ -225,6 +237,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="GGUF or model directory to count tokens with (default: bundled)")
     p.add_argument("--input-len", type=int, default=128, help="synthetic: mean prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="synthetic: mean output tokens")
+    p.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+        help="share full KV blocks by content",
+    )  # fmt: skip
+    add_chat_arguments(p)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--csv", type=Path, default=None)
     p.add_argument("--plots", type=Path, default=None, help="write attainment-vs-rate PNGs here")
@@ -258,6 +275,7 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
             reserve_full_prompt=args.reserve_full_prompt,
             min_residency_s=residency,
             rotary_yields=args.rotary_yields,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         jobs.append(
             Job(
@@ -284,14 +302,15 @@ def run(args: argparse.Namespace) -> int:
     hw, model = load_hardware(args.hardware), MODELS[args.model]
     check_pair(hw, args.model)
     num = args.num_requests if args.duration_s is None else math.ceil(max(args.rates) * args.duration_s)
-    items = load_items(args.dataset, num, args.seed, args.tokenizer, SyntheticSpec(args.input_len, args.output_len))
+    spec = SyntheticSpec(args.input_len, args.output_len)
+    items = load_items(args.dataset, num, args.seed, args.tokenizer, spec, chat_spec(args))
     jobs = jobs_from_args(args, hw, model)
     timed = args.dataset not in ("sharegpt", "synthetic") and trace_has_arrivals(Path(args.dataset))
     t0 = time.perf_counter()
     rows = []
     for rate in args.rates:  # with --duration-s, each rate sends rate × duration requests
         mine = [j for j in jobs if j.rate == rate]
-        n = num if args.duration_s is None else math.ceil(rate * args.duration_s)
+        n = num if args.duration_s is None or args.multi_turn else math.ceil(rate * args.duration_s)
         rows += sweep(items[:n], mine, args.ttft_slo, args.tbt_slo, args.burstiness, args.seed, args.jobs, not timed)
     print(format_rows(rows))
     print(f"{len(rows)} runs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -326,12 +345,12 @@ def describe(setup: SimSetup) -> dict:
 
 def format_rows(rows: list[dict]) -> str:
     pct = lambda v: "  n/a" if v is None else f"{100 * v:5.1f}"  # noqa: E731
-    lines = ["policy  rate  knobs                              TTFT%  TBT%  tok/s   ttft p50 ms  tbt p99 ms  preempt"]
+    lines = ["policy  rate  knobs                              TTFT%  TBT%  tok/s   ttft p50 ms  tbt p99 ms  preempt  cached%"]
     for r in rows:
         knobs = f"{r['transfer_mode']} B={r['xfer_budget']} a={r['alpha']:g} bF={r['beta_f']:g} bB={r['beta_b']:g}"
         lines.append(
             f"{r['policy']:<6} {r['rate']:5g}  {knobs:<34} {pct(r['ttft_attainment'])} {pct(r['tbt_attainment'])} "
-            f"{r['throughput_tok_s'] or 0:7.0f} {r['ttft_p50_ms'] or 0:12.0f} {r['tbt_p99_ms'] or 0:11.0f} {r['num_preemptions']:8d}"
+            f"{r['throughput_tok_s'] or 0:7.0f} {r['ttft_p50_ms'] or 0:12.0f} {r['tbt_p99_ms'] or 0:11.0f} {r['num_preemptions']:8d}  {pct(r['cached_token_share'])}"
         )
     return "\n".join(lines)
 

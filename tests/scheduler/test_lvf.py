@@ -120,10 +120,11 @@ def test_admissions_follow_vlt_order_under_pressure():
 
 def test_rotary_requests_return_in_vlt_order():
     # HBM holds two of six requests; B_xfer lets about one request rotate per step. The
-    # paper's rule: no guard against rotation (test_min_residency_* has them).
+    # paper's rule: no guard against rotation (test_min_residency_* has them). The prompts
+    # are the same: without prefix caching, so that every swap copies all its blocks.
     core = make_core(
         "lvf", num_hbm=8, num_dram=64, block_size=4, beta_b=1.0, xfer_budget=6, eager_rotation=False,
-        rotary_yields=False, min_residency_s=0.0, admit_watermark=0.0,
+        rotary_yields=False, min_residency_s=0.0, admit_watermark=0.0, enable_prefix_caching=False,
     )
     d = Driver(core, dt=0.05)
     for i, tbt in enumerate([0.04, 0.01, 0.03, 0.02, 0.005, 0.015]):

@@ -4,6 +4,8 @@ symbolic worker checks that every block a request reads holds its own tokens."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from shared.protocol import AddRequest, SamplingParams
@@ -175,3 +177,86 @@ def test_many_requests_sharing_a_prefix_on_a_tiny_pool_all_finish_intact(policy)
     assert core.stats()["num_prefix_hits"] > 0 and core.num_preemptions > 0
     hbm = core.memory.hbm
     assert hbm.num_free == hbm.num_blocks
+
+
+def _held_copies(d: Driver, attr: str) -> Counter:
+    """Full-block KV contents (by the symbolic worker's record) of the blocks live requests
+    hold in one tier, counted once per distinct block."""
+    pool = d.worker.hbm if attr == "hbm_blocks" else d.worker.dram
+    blocks = {b for r in d.core.requests.values() for b in getattr(r, attr)}
+    return Counter(pool[b] for b in blocks if pool[b] is not None and len(pool[b][1]) == BS)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_a_request_rotated_back_takes_its_prefix_from_hbm_and_copies_only_the_rest(eager):
+    # As above, a and b take turns; the 6 shared blocks stay in HBM (held by the other, or
+    # cached when the other is rotated out in the same step, without a copy: DRAM has
+    # them), so a request coming back takes them by reference and copies only the blocks
+    # HBM lacks, and only those count in B_xfer.
+    core = make_core("lvf", num_hbm=20, num_dram=64, block_size=BS, eager_rotation=eager)
+    d = Driver(core)
+    add_prompt(core, "a", SYSTEM + [1], 40)
+    run_until_running(d, "a")
+    d.step()
+    add_prompt(core, "b", SYSTEM + [2], 40, d.now)
+    run_until_running(d, "b")
+    shared = core.running["a"].hbm_blocks[:6]
+    returns = 0
+    while core.has_unfinished():
+        was_rotary = {r.request_id: len(r.dram_blocks) for r in core.requests.values() if r.status.value == "rotary"}
+        reused, copied = core.memory.num_swap_in_reused, core.memory.num_swapped_in
+        plan = d.step()
+        back = [core.requests[r] for r in was_rotary if r in core.requests and core.requests[r].status.value == "running"]
+        for r in back:
+            returns += 1
+            assert r.hbm_blocks[:6] == shared
+            assert not set(shared) & {h for _, h in plan.swap_in}
+        if back:  # its own blocks may still be cached too
+            num_reused = core.memory.num_swap_in_reused - reused
+            assert num_reused >= 6 * len(back)
+            num_copied = core.memory.num_swapped_in - copied
+            assert num_copied == len(plan.swap_in) == sum(was_rotary[r.request_id] for r in back) - num_reused
+    assert returns > 0 and core.stats()["num_blocks_swapped_in"] < 17 * returns
+    assert d.finish == {"a": "length", "b": "length"}
+
+
+def test_a_shared_block_is_mirrored_to_dram_once():
+    # HBM holds both: no rotation, only eager mirrors; the 6 shared blocks get one DRAM copy.
+    core = make_core("lvf", num_hbm=64, num_dram=64, block_size=BS, eager_rotation=True)
+    d = Driver(core)
+    add_prompt(core, "a", SYSTEM + [1], 12)
+    run_until_running(d, "a")
+    d.step()
+    add_prompt(core, "b", SYSTEM + [2], 12, d.now)
+    for _ in range(6):
+        d.step()
+    a, b = core.requests["a"], core.requests["b"]
+    assert len(b.dram_blocks) >= 6 and b.dram_blocks[:6] == a.dram_blocks[:6]
+    assert all(core.memory.dram.ref[x] == 2 for x in a.dram_blocks[:6])
+    sources = Counter(h for p in d.plans for h, _ in p.eager)
+    assert all(sources[x] == 1 for x in a.hbm_blocks[:6])
+    assert core.memory.num_dram_shared >= 6
+    d.run()
+    dram = core.memory.dram
+    assert dram.num_free == dram.num_blocks
+
+
+@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("policy", ["lvf", "sf"])
+def test_under_rotation_each_shared_block_has_one_copy_per_tier(policy, eager):
+    """Ten requests sharing the system prompt rotate on a pool that holds about two: at every
+    step no content is held twice in DRAM (copied out once, shared after), nor in HBM by a
+    request that came back (it took the resident block), and every KV read checks out."""
+    core = make_core(policy, num_hbm=24, num_dram=256, block_size=BS, max_batched_tokens=16, tbt_slo=0.02,
+                     eager_rotation=eager)
+    d = Driver(core, dt=0.01)
+    for i in range(10):
+        add_prompt(core, f"r{i}", SYSTEM + [10 + i, 11 + i, 12 + i], 16, i * 0.005)
+    while core.has_unfinished():
+        d.step()
+        dup = [c for c, n in _held_copies(d, "dram_blocks").items() if n > 1]
+        assert not dup, f"step {core.step_id}: DRAM holds {dup[0]} more than once"
+    assert len(d.finish) == 10 and core.num_rotations_in > 0
+    m = core.memory
+    assert m.num_swap_in_reused > 0 and m.num_dram_shared > 0
+    assert m.hbm.num_free == m.hbm.num_blocks and m.dram.num_free == m.dram.num_blocks

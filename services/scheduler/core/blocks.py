@@ -183,6 +183,10 @@ class BlockPool:
         """No request holds `b` and it is free for allocation (reviving it takes a free block)."""
         return b in self._cached
 
+    def is_clean(self, b: int) -> bool:
+        """`b` is cached and no step in flight touches it (it counts in `num_clean`)."""
+        return b in self._cached and b not in self._busy
+
     def revive(self, b: int) -> None:
         """Take one more reference on the hashed block `b` (held, cached or deferred)."""
         if self.ref[b] == 0:

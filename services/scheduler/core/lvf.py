@@ -96,7 +96,7 @@ def admit_by_vlt(
         if core.running:  # leave the running requests room to grow (the first admission needs none)
             need += watermark
         step.num_blocks_wanted += need
-        if len(req.dram_blocks) > step.moves_left:
+        if memory.num_swap_in_copies(req) > step.moves_left:
             return  # its swap-in does not fit in this step's copy budget
         if not memory.hbm.can_allocate(need):
             num_decodes -= _displace(core, step, req, need, _victims(core, step, req, v, tail))
@@ -125,7 +125,8 @@ def _displace(core: PolicyView, step: Step, req: Request, need: int, victims: li
     token since it last started running: every admission then yields a token, so
     recompute cannot livelock (a long prompt would otherwise be evicted mid-prefill
     again and again)."""
-    hbm = core.memory.hbm
+    memory, hbm = core.memory, core.memory.hbm
+    num_in = memory.num_swap_in_copies(req)
     num_freeable = sum(len(r.hbm_blocks) for r in victims)
     if hbm.num_free + hbm.num_deferred + num_freeable < need:
         return 0  # even all of them would not make room: disturb nobody
@@ -133,8 +134,7 @@ def _displace(core: PolicyView, step: Step, req: Request, need: int, victims: li
     for victim in victims:
         if hbm.num_free + hbm.num_deferred >= need:
             break  # room now, or once this step's copies are done
-        num_copy = len(victim.hbm_blocks) - len(victim.dram_blocks)
-        if num_copy > step.moves_left - len(req.dram_blocks):
+        if memory.num_swap_out_copies(victim) > step.moves_left - num_in:
             break  # its swap-out and req's swap-in would exceed B_xfer
         is_decode = victim.num_schedulable() == 1
         if core.preempt(victim, step, recompute_ok=victim.sampled_since_run_start()):

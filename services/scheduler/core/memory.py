@@ -23,11 +23,17 @@ class Memory:
         self.num_swapped_in = 0  # blocks
         self.num_swapped_out = 0
         self.num_mirrored = 0
+        self.num_swap_in_reused = 0  # blocks a swap-in found in HBM by content, not copied
+        self.num_dram_shared = 0  # blocks a swap-out or mirror found in DRAM by content, not copied
         self.done_through = -1  # every step up to this one has reported its result
         self.caching = caching  # share full HBM blocks by content (prefix caching)
         self.root = root_hash(salt)
         self.num_prefix_queries = 0  # prompt tokens looked up in the cache at admission
         self.num_prefix_hits = 0  # ... and found there
+        # Rotary request id -> cached HBM blocks its swap-in would take back, as of its last
+        # `blocks_to_admit`: preempting victims in between may turn blocks they held into
+        # cached ones, which then cost a free block more than that count said.
+        self._num_revived: dict[str, int] = {}
 
     # ------------------------------------------------------------ growth
 
@@ -42,6 +48,11 @@ class Memory:
         `num_new_tokens` now: those blocks, or with `reserve_full` those for every
         token it knows (the rest of its prompt too). A waiting request's prefix found in
         the cache needs no new block, but reviving a cached one takes a free block."""
+        if req.status is Status.ROTARY:
+            reused = list(self.hbm_reuse(req).values())
+            num_new = req.num_schedulable() if reserve_full else num_new_tokens
+            self._num_revived[req.request_id] = self._num_revived_of(reused)
+            return self._blocks_with_hits(reused, req.num_computed_tokens + num_new)
         hits = self.match_prefix(req)
         if not hits:
             return self.blocks_needed(req, req.num_schedulable() if reserve_full else num_new_tokens)
@@ -50,8 +61,11 @@ class Memory:
         return self._blocks_with_hits(hits, num_tokens)
 
     def _blocks_with_hits(self, hits: list[int], num_tokens: int) -> int:
-        num_revived = sum(1 for b in hits if self.hbm.is_cached(b))
-        return blocks_for(num_tokens, self.block_size) - len(hits) + num_revived
+        return blocks_for(num_tokens, self.block_size) - len(hits) + self._num_revived_of(hits)
+
+    def _num_revived_of(self, hits: Iterable[int]) -> int:
+        """Cached blocks among `hits`: taking one back takes a free block."""
+        return sum(1 for b in hits if self.hbm.is_cached(b))
 
     # ------------------------------------------------------------ prefix cache
 
@@ -118,6 +132,46 @@ class Memory:
         if len(req.block_hashes) < num_blocks:
             extend_hashes(req.block_hashes, self.root, req.token_all(), self.block_size, num_blocks)
 
+    def _num_full(self, req: Request, num_tokens: int) -> int:
+        """Blocks among the first `num_tokens` positions whose tokens are all known (so
+        nameable by content); 0 without caching. Hashes them."""
+        if not self.caching:
+            return 0
+        num_full = min(num_tokens, req.num_tokens) // self.block_size
+        self._hash(req, num_full)
+        return num_full
+
+    def hbm_reuse(self, req: Request) -> dict[int, int]:
+        """A rotary request's full blocks whose content is still in HBM (held by another
+        request, cached, or being copied out): block index -> HBM block. Its swap-in takes
+        them by reference instead of copying them."""
+        reused: dict[int, int] = {}
+        for i, h in enumerate(req.block_hashes[: self._num_full(req, req.num_computed_tokens)]):
+            b = self.hbm.lookup(h)
+            if b is not None:
+                reused[i] = b
+        return reused
+
+    def _dram_shared(self, req: Request, start: int, num_tokens: int) -> dict[int, int]:
+        """Full blocks from `start` among `req`'s first `num_tokens` KV positions whose content
+        a DRAM block already holds (another request's mirror or rotated-out copy, or
+        cached): block index -> DRAM block."""
+        hashes = req.block_hashes
+        shared: dict[int, int] = {}
+        for i in range(start, self._num_full(req, num_tokens)):
+            d = self.dram.lookup(hashes[i])
+            if d is not None:
+                shared[i] = d
+        return shared
+
+    def num_swap_in_copies(self, req: Request) -> int:
+        """Blocks a rotary request's swap-in copies (those not found in HBM): its share of B_xfer."""
+        return len(req.dram_blocks) - len(self.hbm_reuse(req))
+
+    def num_swap_out_copies(self, req: Request) -> int:
+        """Blocks a running request's swap-out copies: those neither mirrored nor found in DRAM."""
+        return self._swap_out_need(req)[0]
+
     def grow(self, req: Request, num_new_tokens: int) -> bool:
         need = self.blocks_needed(req, num_new_tokens)
         if not self.hbm.can_allocate(need):
@@ -138,6 +192,7 @@ class Memory:
         stay cached for a later hit."""
         self.register(req)
         self.free_hbm(req, req.hbm_blocks)
+        self._num_revived.pop(req.request_id, None)
         req.num_hashed_blocks = 0
         self.dram.free(req.dram_blocks)
         req.hbm_blocks = []
@@ -151,28 +206,48 @@ class Memory:
         req.status = Status.WAITING
 
     def can_swap_out(self, req: Request, step: Step, running: Iterable[Request]) -> bool:
-        num_copy = len(req.hbm_blocks) - len(req.dram_blocks)
+        num_copy, need = self._swap_out_need(req)
         if num_copy > step.moves_left:
             return False
-        if not self.dram.can_allocate(num_copy):
-            self.reclaim_mirrors(num_copy, running, step)
-        return self.dram.can_allocate(num_copy)
+        if not self.dram.can_allocate(need):
+            self.reclaim_mirrors(need, running, step)
+            num_copy, need = self._swap_out_need(req)  # a reclaimed mirror may be one it shares
+        return self.dram.can_allocate(need)
+
+    def _swap_out_need(self, req: Request) -> tuple[int, int]:
+        """(blocks `req`'s swap-out copies, free DRAM blocks it takes): reviving a cached
+        DRAM block it shares takes a free one."""
+        num_blocks, num_mirrored = len(req.hbm_blocks), len(req.dram_blocks)
+        shared = self._dram_shared(req, num_mirrored, req.num_computed_tokens)
+        num_copy = num_blocks - num_mirrored - len(shared)
+        return num_copy, num_copy + sum(1 for d in shared.values() if self.dram.is_cached(d))
 
     def preempt_swap(self, req: Request, step: Step) -> None:
         """Move `req` to DRAM: mirrored blocks are freed now, the rest is copied and freed
         once the plan is done (a block another request holds only loses a reference: it
-        is copied, never moved or freed). Call `can_swap_out` first."""
+        is copied, never moved or freed). A full block whose content DRAM already holds
+        is not copied: `req` shares that DRAM block. Call `can_swap_out` first."""
         self.register(req)
         req.num_hashed_blocks = 0
-        num_mirrored = len(req.dram_blocks)
-        src = req.hbm_blocks[num_mirrored:]
-        dst = self.dram.allocate(len(src))
+        hbm_blocks, num_mirrored = req.hbm_blocks, len(req.dram_blocks)
+        shared = self._dram_shared(req, num_mirrored, req.num_computed_tokens)
+        for d in shared.values():
+            self.dram.revive(d)
+        copied = [i for i in range(num_mirrored, len(hbm_blocks)) if i not in shared]
+        dst = self.dram.allocate(len(copied))
+        num_full = self._num_full(req, req.num_computed_tokens)
+        for i, d in zip(copied, dst):
+            if i < num_full:
+                self.dram.register(d, req.block_hashes[i])
+        src = [hbm_blocks[i] for i in copied]
         step.swap_out += zip(src, dst)
         step.moves_left -= len(src)
         self.num_swapped_out += len(src)
-        self.free_hbm(req, req.hbm_blocks[:num_mirrored])
+        self.num_dram_shared += len(shared)
+        self.free_hbm(req, hbm_blocks[:num_mirrored] + [hbm_blocks[i] for i in shared])
         self.hbm.defer(src, step.step_id)
-        req.dram_blocks += dst
+        by_index = dict(zip(copied, dst)) | shared
+        req.dram_blocks += [by_index[i] for i in range(num_mirrored, len(hbm_blocks))]
         req.hbm_blocks = []
         req.num_sent_blocks = 0
         req.table_reset = True
@@ -194,23 +269,36 @@ class Memory:
     # ------------------------------------------------------------ swap-in
 
     def can_swap_in(self, req: Request, num_blocks: int, moves_left: int) -> bool:
-        """Room (`num_blocks` HBM blocks in all, `blocks_to_admit`) and copy budget for
-        `req`'s swap-in, its copies landing on clean blocks."""
-        num_copy = len(req.dram_blocks)
-        return num_copy <= moves_left and self.hbm.num_clean >= num_copy and self.hbm.can_allocate(num_blocks)
+        """Room (`num_blocks` HBM blocks in all, from `blocks_to_admit`) and copy budget for
+        `req`'s swap-in, its copies landing on clean blocks (not on the cached blocks it
+        takes back by content)."""
+        reused = self.hbm_reuse(req).values()
+        num_copy = len(req.dram_blocks) - len(reused)
+        num_clean = self.hbm.num_clean - sum(1 for b in reused if self.hbm.is_clean(b))
+        num_blocks += self._num_revived_of(reused) - self._num_revived.get(req.request_id, 0)
+        return num_copy <= moves_left and num_clean >= num_copy and self.hbm.can_allocate(num_blocks)
 
     def swap_in(self, req: Request, step: Step) -> None:
-        """Bring a ROTARY request's KV back to HBM. Synced DRAM blocks stay as mirrors when
-        eager rotation is on; the others are freed once the plan is done (it reads them)."""
+        """Bring a ROTARY request's KV back to HBM. Full blocks whose content is still in
+        HBM are taken by reference; only the others are copied. Synced DRAM blocks stay as
+        mirrors when eager rotation is on; the others are freed once the plan is done (it
+        reads them)."""
         src = req.dram_blocks
-        dst = self.hbm.allocate_clean(len(src))
-        step.swap_in += zip(src, dst)
-        step.moves_left -= len(src)
-        self.num_swapped_in += len(src)
+        reused = self.hbm_reuse(req)
+        self._num_revived.pop(req.request_id, None)
+        for b in reused.values():
+            self.hbm.revive(b)  # before allocating: allocation may evict cached blocks
+        copied = [i for i in range(len(src)) if i not in reused]
+        dst = self.hbm.allocate_clean(len(copied))
+        step.swap_in += [(src[i], b) for i, b in zip(copied, dst)]
+        step.moves_left -= len(dst)
+        self.num_swapped_in += len(dst)
+        self.num_swap_in_reused += len(reused)
         num_keep = req.num_computed_tokens // self.block_size if self.mirrors else 0
         self.dram.defer(src[num_keep:], step.step_id)
+        by_index = dict(zip(copied, dst)) | reused
         req.dram_blocks = src[:num_keep]
-        req.hbm_blocks = dst
+        req.hbm_blocks = [by_index[i] for i in range(len(src))]
         req.num_hashed_blocks = 0
         req.table_reset = True
         req.status = Status.RUNNING
@@ -220,27 +308,41 @@ class Memory:
 
     def mirror(self, running: Iterable[Request], step: Step) -> None:
         """Copy synced, unmirrored HBM blocks of running requests to DRAM within the step's
-        spare copy budget. A block counts as synced only if a plan before this one filled
-        it (this plan's compute runs after its copies); a request swapped in by this plan
-        is skipped (its HBM blocks are being written)."""
+        spare copy budget; a block whose content DRAM already holds (another request's
+        mirror of a shared block) is taken by reference, not copied again. A block counts
+        as synced only if a plan before this one filled it (this plan's compute runs after
+        its copies); a request swapped in by this plan is skipped (its HBM blocks are being
+        written)."""
+        dram = self.dram
         for req in running:
-            if step.moves_left <= 0 or self.dram.num_free == 0:
-                return
             if req.swap_in_step == step.step_id:
                 continue
             done = req.num_computed_tokens
             if step.is_scheduled(req):
                 done -= req.step_new_tokens
             num_synced = done // self.block_size
-            num_copy = min(num_synced - len(req.dram_blocks), step.moves_left, self.dram.num_free)
-            if num_copy <= 0:
+            i = len(req.dram_blocks)
+            if num_synced <= i:
                 continue
-            src = req.hbm_blocks[len(req.dram_blocks) : len(req.dram_blocks) + num_copy]
-            dst = self.dram.allocate(num_copy)
-            step.eager += zip(src, dst)
-            step.moves_left -= num_copy
-            self.num_mirrored += num_copy
-            req.dram_blocks += dst
+            shared = self._dram_shared(req, i, done)
+            for d in shared.values():
+                dram.revive(d)  # before allocating: allocation may evict cached blocks
+            num_full = min(len(req.block_hashes), num_synced)
+            for i in range(i, num_synced):  # mirrors stay a prefix of the block table
+                d = shared.pop(i, None)
+                if d is not None:
+                    self.num_dram_shared += 1
+                elif step.moves_left > 0 and dram.num_free > 0:
+                    d = dram.allocate(1)[0]
+                    if i < num_full:
+                        dram.register(d, req.block_hashes[i])
+                    step.eager.append((req.hbm_blocks[i], d))
+                    step.moves_left -= 1
+                    self.num_mirrored += 1
+                else:
+                    break
+                req.dram_blocks.append(d)
+            dram.free(list(shared.values()))  # found past the first block it could not mirror
 
     def step_done(self, step_id: int) -> None:
         """The result of `step_id` is in: its copies and compute are finished."""
