@@ -79,6 +79,24 @@ def _extensions(type: type, obj) -> Extensions:
     return Extensions(isinstance(obj, dict) and obj.get("attribution") is True)
 
 
+class JsonSchemaSpec(Struct):
+    """`response_format.json_schema`, OpenAI's shape. The output is held to `schema` whether
+    or not `strict` is set (an absent schema allows any JSON value)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct):
+    """`{"type": "text"}` asks for nothing; `json_object` for one JSON object; `json_schema`
+    for JSON valid against `json_schema.schema` (params.py compiles it, or refuses it)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
 class ContentPart(Struct):
     type: str
     text: str | None = None
@@ -110,6 +128,7 @@ class _Sampling(Struct, kw_only=True):
     logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None  # vLLM's
     min_tokens: Annotated[int, Meta(ge=0)] | None = None  # vLLM's
+    response_format: ResponseFormat | None = None  # OpenAI's for chat, vLLM's for completions
     slo: SLOSpec | None = None
     superinfer: Extensions | None = None
     # Accepted: they ask nothing of the output.
@@ -140,7 +159,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None  # needs logprobs: true
-    response_format: Refused = None
     tools: Refused = None
     tool_choice: Refused = None
     functions: Refused = None

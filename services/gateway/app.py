@@ -129,14 +129,16 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     stop_ids = params.stop_token_ids(req, state.tokenizer.stop_token_ids, state.tokenizer.vocab_size)
     params.check_combinations(req)
     bias = params.logit_bias(req, state.tokenizer.vocab_size)
-    # Off the event loop: a long prompt takes a while, and every stream's next token waits on the loop.
+    # Off the event loop: a long prompt (or a large schema) takes a while, and every stream's
+    # next token waits on the loop.
+    grammar = await asyncio.to_thread(params.grammar, req)
     prompt_ids = await asyncio.to_thread(ep.prompt_ids, req, state.tokenizer)
     # Picked after that await, and nothing awaits from here to submit(): a scheduler lost
     # meanwhile is out of the choice, never handed a request it can no longer answer.
     link = state.client.pick()
     max_len = state.max_model_len(link.stats.max_model_len)
     default_seed = state.default_seed() if req.seed is None else None
-    prep = params.prepare(req, prompt_ids, max_len, stop_ids, default_seed, bias)
+    prep = params.prepare(req, prompt_ids, max_len, stop_ids, default_seed, bias, grammar)
     add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)
     text = TextStream(state.tokenizer.decode, prep.stop, prompt_ids)
     fmt = _format(ep, request_id, model, req, prep, state.tokenizer)
