@@ -10,7 +10,7 @@ logprobs, min_tokens above max_tokens, max_tokens 0 without echo, response_forma
 ignore_eos or min_tokens). Decoding (api.py) checked the rest: max_tokens >= 1 (0 on completions),
 at most MAX_STOP_STRINGS non-empty stop strings of at most MAX_STOP_CHARS characters,
 temperature, top_p, top_k, seed, penalty, bias and logprobs ranges, at least one message,
-n = 1, and no field we do not implement.
+1 <= n <= MAX_N, and no field we do not implement.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import msgspec
 from llguidance import LLMatcher
 
 from services.gateway.api import (
@@ -208,6 +209,14 @@ def grammar(req: Request) -> str | None:
     if error:
         raise bad_request(f"response_format json_schema is invalid: {error}", "response_format.json_schema.schema")
     return compiled
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of a request with `n` > 1: the same, with seed + index when seeded (so
+    the choices differ, and each is reproducible)."""
+    if index == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + index)
 
 
 def top_logprobs(req: Request) -> int | None:
