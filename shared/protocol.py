@@ -54,6 +54,11 @@ class SamplingParams(_Data):
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # Structured output: an llguidance grammar (its JSON text, from `response_format`). The
+    # worker masks every token the grammar does not allow and, once the grammar is complete,
+    # allows only the stop tokens. A worker that gets the request with outputs already
+    # generated (a failover) replays them through the grammar first.
+    grammar: str | None = None
 
 
 class TokenLogprobs(_Data):

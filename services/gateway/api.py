@@ -2,7 +2,7 @@
 
 A body is decoded once, by `decode_request`, into one of these types, extensions included;
 that *is* the check of everything the body alone decides: types and ranges (a mismatch
-becomes a 400 naming the field) and n = 1. What needs the tokenizer or the scheduler's
+becomes a 400 naming the field). What needs the tokenizer or the scheduler's
 context window is checked in params.py, the body size in app.py. The same types generate
 the OpenAPI document. Every field OpenAI documents is either honoured, refused when it asks for
 something we do not implement (unsupported.py: a 400 naming it), or one that asks nothing of
@@ -30,6 +30,7 @@ MAX_TOP_K = 2**31 - 1  # any k >= the vocabulary means "off"; the bound keeps it
 # softmax to NaN) for tiny T, and they pick the argmax anyway.
 MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for chat, vLLM's default)
+MAX_N = 128  # choices per request (OpenAI's limit)
 T = TypeVar("T", "ChatCompletionRequest", "CompletionRequest")
 _INT64 = Meta(ge=-(2**63), le=2**63 - 1)
 
@@ -79,6 +80,24 @@ def _extensions(type: type, obj) -> Extensions:
     return Extensions(isinstance(obj, dict) and obj.get("attribution") is True)
 
 
+class JsonSchemaSpec(Struct):
+    """`response_format.json_schema`, OpenAI's shape. The output is held to `schema` whether
+    or not `strict` is set (an absent schema allows any JSON value)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct):
+    """`{"type": "text"}` asks for nothing; `json_object` for one JSON object; `json_schema`
+    for JSON valid against `json_schema.schema` (params.py compiles it, or refuses it)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
 class ContentPart(Struct):
     type: str
     text: str | None = None
@@ -100,7 +119,7 @@ class _Sampling(Struct, kw_only=True):
     top_k: TopK | None = None
     seed: Annotated[int, _INT64] | None = None
     stop: Stop | None = None
-    n: Annotated[int, Meta(ge=1)] = 1
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1  # choices: that many requests for one prompt
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -110,6 +129,7 @@ class _Sampling(Struct, kw_only=True):
     logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None  # vLLM's
     min_tokens: Annotated[int, Meta(ge=0)] | None = None  # vLLM's
+    response_format: ResponseFormat | None = None  # OpenAI's for chat, vLLM's for completions
     slo: SLOSpec | None = None
     superinfer: Extensions | None = None
     # Accepted: they ask nothing of the output.
@@ -140,7 +160,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None  # needs logprobs: true
-    response_format: Refused = None
     tools: Refused = None
     tool_choice: Refused = None
     functions: Refused = None
@@ -302,8 +321,6 @@ def decode_request(body: bytes, type: type[T]) -> T:
         req = _decoders[type].decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation(e) from None
-    if req.n != 1:
-        raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
     if (e := refusal(req, _refused[type])) is not None:
         raise e
     return req

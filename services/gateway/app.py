@@ -14,7 +14,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import aclosing
+from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass, field
 
 import structlog
@@ -31,12 +31,12 @@ from services.gateway.api import (
 )
 from services.gateway.detokenizer import TextStream
 from services.gateway.errors import ApiError, internal
-from services.gateway.generate import Timing, WithAttribution, generate
+from services.gateway.generate import Timing, WithAttribution, fan_in, generate
 from services.gateway.logprobs import ChatLogprobsView, CompletionLogprobsView
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.responses import ChatFormat, CompletionFormat, respond_full, respond_stream
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.scheduler_client import RequestHandle, SchedulerClient, SchedulerLink
 from services.gateway.tokenizer import ModelTokenizer
 from shared.modelfile import ModelConfig
 from shared.protocol import AddRequest
@@ -129,42 +129,85 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     stop_ids = params.stop_token_ids(req, state.tokenizer.stop_token_ids, state.tokenizer.vocab_size)
     params.check_combinations(req)
     bias = params.logit_bias(req, state.tokenizer.vocab_size)
-    # Off the event loop: a long prompt takes a while, and every stream's next token waits on the loop.
+    # Off the event loop: a long prompt (or a large schema) takes a while, and every stream's
+    # next token waits on the loop.
+    grammar = await asyncio.to_thread(params.grammar, req)
     prompt_ids = await asyncio.to_thread(ep.prompt_ids, req, state.tokenizer)
     # Picked after that await, and nothing awaits from here to submit(): a scheduler lost
     # meanwhile is out of the choice, never handed a request it can no longer answer.
     link = state.client.pick()
     max_len = state.max_model_len(link.stats.max_model_len)
     default_seed = state.default_seed() if req.seed is None else None
-    prep = params.prepare(req, prompt_ids, max_len, stop_ids, default_seed, bias)
-    add = AddRequest(request_id=request_id, prompt_token_ids=prompt_ids, params=prep.params, slo=prep.slo)
-    text = TextStream(state.tokenizer.decode, prep.stop, prompt_ids)
-    fmt = _format(ep, request_id, model, req, prep, state.tokenizer)
+    prep = params.prepare(req, prompt_ids, max_len, stop_ids, default_seed, bias, grammar)
+    # n choices: n requests for the same prompt (the prefix cache shares its full blocks).
+    adds = [
+        AddRequest(
+            request_id=request_id if req.n == 1 else f"{request_id}-{i}",
+            prompt_token_ids=prompt_ids,
+            params=params.choice_params(prep.params, i),
+            slo=prep.slo,
+        )
+        for i in range(req.n)
+    ]
+    timings = [timing] + [Timing(arrival=timing.arrival) for _ in adds[1:]]
+    fmts = [_format(ep, request_id, model, req, prep, state.tokenizer, i) for i in range(req.n)]
+    for f in fmts[1:]:
+        f.created = fmts[0].created
     if req.wants_attribution:
-        fmt = WithAttribution(fmt, timing)
-    handle = state.client.submit(add, link)
+        fmts = [WithAttribution(f, t) for f, t in zip(fmts, timings)]
+    handles = _submit_all(state.client, adds, link)
     log.info(
-        "request_accepted", num_prompt_tokens=len(prompt_ids), max_tokens=prep.params.max_tokens, stream=prep.stream
+        "request_accepted",
+        num_prompt_tokens=len(prompt_ids),
+        max_tokens=prep.params.max_tokens,
+        stream=prep.stream,
+        n=req.n,
     )
     try:
-        async with aclosing(generate(state.client, handle, text, timing, prep.num_hidden_tokens > 0)) as pieces:
+        async with AsyncExitStack() as choices:
+            each = [
+                await choices.enter_async_context(
+                    aclosing(generate(state.client, h, _text(state, prep), t, prep.num_hidden_tokens > 0))
+                )
+                for h, t in zip(handles, timings)
+            ]
+            pieces = await choices.enter_async_context(aclosing(fan_in(each)))
             if prep.stream:
-                return await respond_stream(request, pieces, fmt, len(prompt_ids), prep.include_usage)
-            return await respond_full(pieces, fmt, len(prompt_ids))
+                return await respond_stream(request, pieces, fmts, len(prompt_ids), prep.include_usage)
+            return await respond_full(pieces, fmts, len(prompt_ids))
     finally:
-        _finished(state, timing, len(prompt_ids))
+        for t in timings:
+            _finished(state, t, len(prompt_ids))
 
 
-def _format(ep: Endpoint, request_id: str, model: str, req, prep: params.Prepared, tok: ModelTokenizer):
-    """The response format, with the logprobs view and the echoed prompt the request asked for."""
+def _text(state: GatewayState, prep: params.Prepared) -> TextStream:
+    return TextStream(state.tokenizer.decode, prep.stop, prep.prompt_ids)
+
+
+def _submit_all(client: SchedulerClient, adds: list[AddRequest], link: SchedulerLink) -> list[RequestHandle]:
+    """All to `link`, or none: a refusal of one aborts those already sent."""
+    handles: list[RequestHandle] = []
+    try:
+        for add in adds:
+            handles.append(client.submit(add, link))
+    except BaseException:
+        for h in handles:
+            client.abort(h.request_id)
+        raise
+    return handles
+
+
+def _format(ep: Endpoint, request_id: str, model: str, req, prep: params.Prepared, tok: ModelTokenizer, index: int):
+    """The response format of choice `index`, with the logprobs view and the echoed prompt the
+    request asked for."""
     decode = functools.partial(tok.decode, skip_special_tokens=False)  # a token's own text, as vLLM shows it
     k = prep.top_logprobs
     if ep.format is ChatFormat:
-        return ChatFormat(request_id, model, None if k is None else ChatLogprobsView(decode, k))
+        return ChatFormat(request_id, model, None if k is None else ChatLogprobsView(decode, k), index)
     echo = None
     if prep.echo:
         echo = (req.prompt if isinstance(req.prompt, str) else tok.decode(prep.prompt_ids), prep.prompt_ids)
-    return CompletionFormat(request_id, model, None if k is None else CompletionLogprobsView(decode, k), echo)
+    return CompletionFormat(request_id, model, None if k is None else CompletionLogprobsView(decode, k), echo, index)
 
 
 def _finished(state: GatewayState, timing: Timing, num_prompt: int) -> None:

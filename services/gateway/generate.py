@@ -4,10 +4,14 @@ The generator ends with exactly one final piece (finish_reason "stop" or "length
 raises `ApiError`. However it ends — finished, stop string, client gone, cancelled — the
 `finally` tells the scheduler to abort, which is a no-op for a request already finished,
 so an abandoned request never keeps its KV blocks.
+
+A request with `n` > 1 is n such requests (its choices) for the same prompt; `fan_in`
+interleaves their pieces, and when one fails or the client goes, stops them all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -82,6 +86,41 @@ async def generate(
                 return
     finally:
         client.abort(handle.request_id)
+
+
+async def fan_in(choices: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+    """(choice index, piece) as they come. The first error of any choice is raised, and
+    however this ends every choice is cancelled (each then aborts its request)."""
+    if len(choices) == 1:  # no task in between
+        async for p in choices[0]:
+            yield 0, p
+        return
+    queue: asyncio.Queue = asyncio.Queue()  # (index, piece or None when done, error or None)
+
+    async def pump(i: int, choice: AsyncIterator[Piece]) -> None:
+        try:
+            async for p in choice:
+                queue.put_nowait((i, p, None))
+        except Exception as e:  # an ApiError, or a bug: either fails the whole request
+            queue.put_nowait((i, None, e))
+        else:
+            queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        num_live = len(tasks)
+        while num_live:
+            i, p, error = await queue.get()
+            if error is not None:
+                raise error
+            if p is None:
+                num_live -= 1
+            else:
+                yield i, p
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _with_logprobs(piece: Piece, reply: TokenOutput) -> Piece:

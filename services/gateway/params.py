@@ -4,17 +4,22 @@ parameters, SLO, plus the stop strings the gateway itself enforces.
 Everything here is pure and raises `ApiError` (400, naming the `param`) for what the body
 alone cannot decide: content that is not text, token ids outside the vocabulary, an empty
 prompt, and a prompt plus max_tokens beyond the context window (OpenAI's
-`context_length_exceeded`, in vLLM's words), logit_bias ids outside the vocabulary, and
-combinations (top_logprobs without logprobs, min_tokens above max_tokens, max_tokens 0
-without echo). Decoding (api.py) checked the rest: max_tokens >= 1 (0 on completions),
+`context_length_exceeded`, in vLLM's words), logit_bias ids outside the vocabulary, a
+`response_format` schema llguidance cannot compile, and combinations (top_logprobs without
+logprobs, min_tokens above max_tokens, max_tokens 0 without echo, response_format with
+ignore_eos or min_tokens). Decoding (api.py) checked the rest: max_tokens >= 1 (0 on completions),
 at most MAX_STOP_STRINGS non-empty stop strings of at most MAX_STOP_CHARS characters,
 temperature, top_p, top_k, seed, penalty, bias and logprobs ranges, at least one message,
-n = 1, and no field we do not implement.
+1 <= n <= MAX_N, and no field we do not implement.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+
+import msgspec
+from llguidance import LLMatcher
 
 from services.gateway.api import (
     MIN_TEMPERATURE,
@@ -169,9 +174,49 @@ def check_combinations(req: Request) -> None:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     if isinstance(req, CompletionRequest) and req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 needs echo (it scores the prompt)", param="max_tokens")
+    if wants_grammar(req) and (req.ignore_eos or req.min_tokens):
+        # The grammar ends the request with a stop token, once complete: neither may hold it off.
+        field = "ignore_eos" if req.ignore_eos else "min_tokens"
+        raise bad_request(f"{field} cannot be combined with response_format", param=field)
     if req.min_tokens and req.max_tokens is not None and req.min_tokens > req.max_tokens:
         message = f"min_tokens ({req.min_tokens}) is above max_tokens ({req.max_tokens})"
         raise bad_request(message, param="min_tokens")
+
+
+def wants_grammar(req: Request) -> bool:
+    return req.response_format is not None and req.response_format.type != "text"
+
+
+def grammar(req: Request) -> str | None:
+    """The llguidance grammar (its JSON text) that `response_format` asks for, None for no
+    constraint; a 400 naming the problem for a schema it cannot compile. It may take a while
+    for a large schema: call it off the event loop."""
+    if not wants_grammar(req):
+        return None
+    fmt = req.response_format
+    if fmt.type == "json_object":
+        schema = {"type": "object"}
+    elif fmt.json_schema is None:
+        raise bad_request("response_format of type json_schema needs json_schema", "response_format.json_schema")
+    else:
+        schema = {} if fmt.json_schema.schema is None else fmt.json_schema.schema
+    try:
+        compiled = LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    except ValueError as e:
+        compiled, error = None, str(e)
+    else:
+        error = LLMatcher.validate_grammar(compiled)
+    if error:
+        raise bad_request(f"response_format json_schema is invalid: {error}", "response_format.json_schema.schema")
+    return compiled
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of a request with `n` > 1: the same, with seed + index when seeded (so
+    the choices differ, and each is reproducible)."""
+    if index == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + index)
 
 
 def top_logprobs(req: Request) -> int | None:
@@ -188,10 +233,11 @@ def prepare(
     stop_token_ids: list[int],
     default_seed: int | None = None,
     bias: dict[int, float] | None = None,
+    grammar: str | None = None,
 ) -> Prepared:
     """The scheduler's view of a request whose prompt is already tokenized and whose fields
     passed `check_combinations`; `default_seed` is the seed of a request that gives none
-    (--seed); `bias` is `logit_bias(req, ...)`."""
+    (--seed); `bias` is `logit_bias(req, ...)`, `grammar` is `grammar(req)`."""
     echo = bool(getattr(req, "echo", False))
     num_hidden = 1 if req.max_tokens == 0 else 0  # decoding let 0 through on completions only
     k = top_logprobs(req)
@@ -210,6 +256,7 @@ def prepare(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
+        grammar=grammar,
     )
     if params.min_tokens > params.max_tokens:  # max_tokens not given: the context's room
         message = f"min_tokens ({params.min_tokens}) is above the {params.max_tokens} tokens the context has room for"

@@ -75,6 +75,10 @@ class ModelTokenizer:
         """Each id's token as the vocabulary writes it (byte-level BPE: `Ġ` for a space)."""
         return [self._tok.id_to_token(i) for i in ids]
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as `tokenizers` serializes it (what llguidance reads)."""
+        return self._tok.to_str()
+
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None

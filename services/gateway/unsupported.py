@@ -1,6 +1,6 @@
 """Request fields we know and do not implement: each is refused with a 400 naming it, unless
 its value asks for nothing (null, or the no-op default clients send anyway, such as
-`"best_of": 1` or `"response_format": {"type": "text"}`). None is accepted and dropped.
+`"best_of": 1` or `"tool_choice": "none"`). None is accepted and dropped.
 
 The structs in api.py declare these fields (type `Refused`, any JSON), so that the body is
 decoded once; `refusal` is the check `decode_request` runs on the decoded request. The fields
@@ -23,7 +23,6 @@ NO_OP: dict[str, tuple] = {
     "best_of": (1,),
     "suffix": ("",),
     # output formats, tools and other products
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),

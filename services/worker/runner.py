@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from services.worker.attention import build_metadata
+from services.worker.grammar import Constraint, GrammarCompiler, mask_rows
 from services.worker.logits import process_row, raw_logprobs, token_logprobs, wants_processing
 from services.worker.model import LlamaModel
 from services.worker.sampler import draw_seed, make_generator, request_seed, sample
@@ -66,8 +67,10 @@ class _Request:
     # Prompt logprobs still to be scored (asked, and not yet sent with a first token), and
     # those scored so far, one per prompt token from the second on.
     scores_prompt: bool
-    # Anything beyond plain sampling: logprobs, prompt logprobs or a processor (fixed at add).
+    # Anything beyond plain sampling: logprobs, prompt logprobs, a processor or a grammar
+    # (fixed at add).
     asks: bool
+    constraint: Constraint | None = None  # structured output (only where this rank samples)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
@@ -98,6 +101,7 @@ class ModelRunner:
         block_size: int,
         device,
         group: TPGroup | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         want = kv_block_shape(cfg, block_size)
         if tuple(kv_pool.shape[1:]) != want:
@@ -111,6 +115,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.group = group
+        self.grammars = grammars  # needed for requests with a grammar
         self._requests: dict[str, _Request] = {}
         self._num_asking = 0  # requests whose `asks`: while 0, a step is plain sampling
 
@@ -132,9 +137,17 @@ class ModelRunner:
                 processed=processed,
                 # A resubmission with outputs already sent its prompt's logprobs with the first.
                 scores_prompt=p.prompt_logprobs is not None and not r.output_token_ids,
-                asks=processed or p.logprobs is not None or p.prompt_logprobs is not None,
+                asks=processed or p.logprobs is not None or p.prompt_logprobs is not None or p.grammar is not None,
+                constraint=self._constraint(r),
             )
             self._num_asking += req.asks
+
+    def _constraint(self, r: NewRequestData) -> Constraint | None:
+        if r.params.grammar is None or not (self.group is None or self.group.is_driver):
+            return None
+        if self.grammars is None:
+            raise ValueError(f"request {r.request_id!r} has a grammar and this runner has no GrammarCompiler")
+        return self.grammars.constraint(r.params.grammar, r.request_id, r.output_token_ids)
 
     def drop(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -209,6 +222,9 @@ class ModelRunner:
         """logits: [S, V], one row per chosen request (processed in place for those that
         ask); the logprobs of those that ask go into `out`."""
         asking = [i for i, r in enumerate(chosen) if r.asks] if self._num_asking else []
+        constrained = [i for i in asking if chosen[i].constraint is not None]
+        if constrained:  # first: logprobs and processors see the constrained distribution
+            mask_rows(logits, constrained, [chosen[i].constraint for i in constrained])
         want_logprobs = [i for i in asking if chosen[i].params.logprobs is not None]
         raw = raw_logprobs(logits[want_logprobs]) if want_logprobs else None  # before any processing
         for i in asking:
@@ -225,6 +241,8 @@ class ModelRunner:
             ks = [chosen[i].params.logprobs for i in want_logprobs]
             for i, lp in zip(want_logprobs, token_logprobs(raw, [tokens[i] for i in want_logprobs], ks)):
                 out.logprobs[ids[i]] = lp
+        for i in constrained:
+            chosen[i].constraint.advance(tokens[i])
         for i in asking:
             r = chosen[i]
             if r.scores_prompt:  # its prompt is complete: send what was scored, once

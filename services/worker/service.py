@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from services.worker import cpu_kernels, tp
 from services.worker.kv_pool import KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
+from services.worker.grammar import GrammarCompiler
 from services.worker.runner import ModelRunner, load_model
 from services.worker.tp import TPGroup
 from services.worker.transfer import Transfer, TransferEngine
@@ -275,7 +276,7 @@ def build_worker(
     engine = TransferEngine(pools, args.transfer_mode)
     if device.type == "cpu":
         cpu_kernels.kernels()  # built (or loaded) now, not during the first step
-    runner = ModelRunner(model, cfg, pools.hbm, args.block_size, device, group)
+    runner = ModelRunner(model, cfg, pools.hbm, args.block_size, device, group, GrammarCompiler(path))
     ready = p.WorkerReady(
         model_name=cfg.name,
         num_hbm_blocks=pools.num_hbm_blocks,

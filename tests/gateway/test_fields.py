@@ -39,6 +39,7 @@ HONOURED = {
     "logprobs": {CHAT: True, COMPLETION: 2},  # chat: a bool; completions: a count
     "top_logprobs": 2,  # with logprobs: true
     "echo": True,
+    "response_format": {"type": "json_object"},
 }
 # Accepted because they ask nothing of the output (who is asking, caching hints; tool-call
 # parallelism while tools are refused).
@@ -56,7 +57,6 @@ ACCEPTED = {
 REFUSED = {
     "best_of": (2, [1]),
     "suffix": ("end", [""]),
-    "response_format": ({"type": "json_object"}, [{"type": "text"}]),
     "tools": ([{"type": "function", "function": {"name": "f"}}], [[]]),
     "tool_choice": ("auto", ["none"]),
     "functions": ([{"name": "f"}], [[]]),

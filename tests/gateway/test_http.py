@@ -184,7 +184,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, 400, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "unsupported_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 129}, 400, None),
     ("/v1/chat/completions", {"messages": []}, 400, None),
     ("/v1/completions", {"prompt": ""}, 400, None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10_000_000}, 400, "context_length_exceeded"),
