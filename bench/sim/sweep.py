@@ -52,7 +52,7 @@ def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: 
         "rate": rate,
         **{k: getattr(cfg, k) for k in KNOBS if k != "transfer_mode"},
         "transfer_mode": setup.transfer_mode,
-        **{k: getattr(cfg, k) for k in ("reserve_full_prompt", "min_residency_s", "rotary_yields")},
+        **{k: getattr(cfg, k) for k in ("reserve_full_prompt", "min_residency_s", "admit_watermark", "rotary_yields")},
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "cached_token_share": s["cached_token_share"],
         "max_tokens": setup.max_tokens,
@@ -201,6 +201,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--min-residency", type=_floats, default=[d.min_residency_s], help="lvf: min_residency_s, seconds (sweep)"
     )
+    p.add_argument(
+        "--admit-watermark", type=_floats, default=[d.admit_watermark], help="lvf: admit_watermark, HBM share (sweep)"
+    )
     p.add_argument("--rotary-yields", action=argparse.BooleanOptionalAction, default=d.rotary_yields, help="lvf")
     p.add_argument(
         "--reserve-full-prompt",
@@ -258,9 +261,10 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
         args.beta_f,
         args.beta_b,
         args.min_residency,
+        args.admit_watermark,
         args.rates,
     )
-    for policy, mode, budget, alpha, beta_f, beta_b, residency, rate in knobs:
+    for policy, mode, budget, alpha, beta_f, beta_b, residency, watermark, rate in knobs:
         cfg = SchedulerConfig(
             policy=policy,
             block_size=args.block_size,
@@ -274,6 +278,7 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
             xfer_budget=budget,
             reserve_full_prompt=args.reserve_full_prompt,
             min_residency_s=residency,
+            admit_watermark=watermark,
             rotary_yields=args.rotary_yields,
             enable_prefix_caching=args.enable_prefix_caching,
         )
@@ -345,11 +350,14 @@ def describe(setup: SimSetup) -> dict:
 
 def format_rows(rows: list[dict]) -> str:
     pct = lambda v: "  n/a" if v is None else f"{100 * v:5.1f}"  # noqa: E731
-    lines = ["policy  rate  knobs                              TTFT%  TBT%  tok/s   ttft p50 ms  tbt p99 ms  preempt  cached%"]
+    lines = [f"policy  rate  {'knobs':<52} TTFT%  TBT%  tok/s   ttft p50 ms  tbt p99 ms  preempt  cached%"]
     for r in rows:
-        knobs = f"{r['transfer_mode']} B={r['xfer_budget']} a={r['alpha']:g} bF={r['beta_f']:g} bB={r['beta_b']:g}"
+        knobs = (
+            f"{r['transfer_mode']} B={r['xfer_budget']} a={r['alpha']:g} bF={r['beta_f']:g} bB={r['beta_b']:g} "
+            f"mr={r['min_residency_s']:g} wm={r['admit_watermark']:g}"
+        )
         lines.append(
-            f"{r['policy']:<6} {r['rate']:5g}  {knobs:<34} {pct(r['ttft_attainment'])} {pct(r['tbt_attainment'])} "
+            f"{r['policy']:<6} {r['rate']:5g}  {knobs:<52} {pct(r['ttft_attainment'])} {pct(r['tbt_attainment'])} "
             f"{r['throughput_tok_s'] or 0:7.0f} {r['ttft_p50_ms'] or 0:12.0f} {r['tbt_p99_ms'] or 0:11.0f} {r['num_preemptions']:8d}  {pct(r['cached_token_share'])}"
         )
     return "\n".join(lines)
