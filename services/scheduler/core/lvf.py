@@ -28,7 +28,7 @@ waiting for its first token gains its TTFT.
   while others run. Without it admission fills HBM to the last block, and the running
   requests' next blocks then preempt one of them (growth preemption, step 4): each a paused
   request and a missed gap. (Simulator, ShareGPT seed 0, 65 blocks of 32 tokens, `cpu-live`:
-  at 1.25 req/s TBT attainment 93.5% without, 97.3% with 0.25, TTFT attainment 98-100% both.)
+  at 1.25 req/s TBT attainment 93.5% without, 97.2% with 0.25, TTFT attainment 98-100% both.)
 - `rotary_yields`: such a request that cannot be placed does not end admission (step 3):
   the requests behind it may still be admitted. Off, the paused decodes held back by the
   residency block every new arrival behind them. (Measured against passing over only to
