@@ -36,6 +36,7 @@ class SamplingParams(_Data):
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (0 = off)
     seed: int | None = None
     # Generation stops when one of these is sampled (EOS and the model's end-of-turn ids).
     stop_token_ids: list[int] = []

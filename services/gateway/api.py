@@ -129,6 +129,7 @@ class _Sampling(Struct, kw_only=True):
     logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None  # vLLM's
     min_tokens: Annotated[int, Meta(ge=0)] | None = None  # vLLM's
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # vLLM's
     response_format: ResponseFormat | None = None  # OpenAI's for chat, vLLM's for completions
     slo: SLOSpec | None = None
     superinfer: Extensions | None = None
@@ -140,7 +141,6 @@ class _Sampling(Struct, kw_only=True):
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
     # Refused unless they ask for nothing (unsupported.py).
-    min_p: Refused = None
     include_stop_str_in_output: Refused = None
     skip_special_tokens: Refused = None
     prompt_logprobs: Refused = None

@@ -246,6 +246,7 @@ def prepare(
         temperature=temperature(req),
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
         seed=req.seed if req.seed is not None else default_seed,
         stop_token_ids=list(stop_token_ids),
         ignore_eos=req.ignore_eos,

@@ -37,7 +37,6 @@ NO_OP: dict[str, tuple] = {
     "store": (False,),
     "service_tier": ("auto", "default"),
     # vLLM's sampling extensions
-    "min_p": (0,),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "prompt_logprobs": (),

@@ -1,7 +1,8 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, each with its own seeded generator.
+"""Per-request sampling: greedy, temperature, min-p, top-k, top-p, each with its own seeded
+generator.
 
-Greedy rows share one argmax. The other rows are filtered together (temperature, top-k,
-top-p on one sorted copy of their logits); only the final draw is per row, with the
+Greedy rows share one argmax. The other rows are filtered together (temperature, then min-p,
+top-k and top-p as vLLM applies them, on one sorted copy of their logits); only the final draw is per row, with the
 request's own `torch.Generator`, reseeded for each draw from (request seed, position).
 A token therefore depends on its seed, its position and its logits only: not on which
 requests shared the batch, nor on a preemption, recompute or resubmission before it.
@@ -70,7 +71,7 @@ def _sample_random(
     """logits: [R, V] -> one drawn id per row."""
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     scaled = logits / temps[:, None]  # [R, V]
-    if all(p.top_k <= 0 and p.top_p >= 1.0 for p in params):
+    if all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
         probs = torch.softmax(scaled, dim=-1)
         return [_draw(probs[i], generators[i]) for i in range(len(params))]
     # Stable descending sort: among equal logits the lower id comes first, as with argmax,
@@ -82,12 +83,17 @@ def _sample_random(
 
 
 def _filtered(sorted_logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """[R, V] bool: True where a sorted entry falls outside the row's top-k / top-p set."""
+    """[R, V] bool: True where a sorted entry falls outside the row's min-p / top-k / top-p set.
+    min-p compares with the most likely token of the whole distribution (vLLM's order)."""
     num_rows, vocab = sorted_logits.shape
     device = sorted_logits.device
     ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
     ranks = torch.arange(vocab, device=device)[None, :]  # [1, V]
     outside = ranks >= ks[:, None]  # [R, V]
+    min_ps = torch.tensor([p.min_p for p in params], dtype=sorted_logits.dtype, device=device)
+    if bool((min_ps > 0).any()):
+        full = torch.softmax(sorted_logits, dim=-1)  # sorted: column 0 is the most likely
+        outside |= full < min_ps[:, None] * full[:, :1]
     # top_p >= 1 keeps everything (no float-rounding cut of the tail).
     top_ps = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
     probs = torch.softmax(sorted_logits.masked_fill(outside, float("-inf")), dim=-1)

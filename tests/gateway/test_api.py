@@ -69,10 +69,12 @@ def test_malformed_bodies_are_400(body):
 def test_unknown_fields_and_no_op_defaults_are_accepted():
     """Fields nobody documents are ignored; known ones we do not implement pass only with a
     value that asks for nothing (tests/gateway/test_fields.py walks them all)."""
-    req = chat(vendor_field=0.5, min_p=0, best_of=1, response_format={"type": "text"})
+    req = chat(vendor_field=0.5, include_stop_str_in_output=False, best_of=1, response_format={"type": "text"})
     assert req.messages[0].content == "hi"
-    e = refused(chat, min_p=0.5)
-    assert e.status == 400 and e.info.param == "min_p"
+    e = refused(chat, include_stop_str_in_output=True)
+    assert e.status == 400 and e.info.param == "include_stop_str_in_output"
+    assert chat(min_p=0.5).min_p == 0.5  # vLLM's min_p is honoured; out of [0, 1] it is a 400
+    assert refused(chat, min_p=1.5).status == 400
 
 
 def test_n_is_bounded():

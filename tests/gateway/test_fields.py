@@ -73,7 +73,6 @@ REFUSED = {
 }
 # vLLM's extensions that change the output, refused the same way.
 VLLM_REFUSED = {
-    "min_p": (0.1, [0]),
     "include_stop_str_in_output": (True, [False]),
     "skip_special_tokens": (False, [True]),
     "prompt_logprobs": (1, []),

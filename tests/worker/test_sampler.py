@@ -48,6 +48,17 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert draws(LOG_PROBS, params(temperature=1.0, top_k=3, top_p=0.99)) == {0, 1, 2}
 
 
+def test_min_p_drops_tokens_less_likely_than_a_share_of_the_best():
+    """vLLM's min_p: relative to the most likely token of the whole (tempered) distribution,
+    before top-k / top-p."""
+    assert draws(LOG_PROBS, params(temperature=1.0, min_p=0.5)) == {0, 1}  # 0.3 >= 0.25, 0.15 < 0.25
+    assert draws(LOG_PROBS, params(temperature=1.0, min_p=0.2)) == {0, 1, 2}  # 0.05 < 0.1
+    assert draws(LOG_PROBS, params(temperature=1.0, min_p=1.0)) == {0}
+    assert draws(LOG_PROBS, params(temperature=1.0, min_p=0.2, top_k=2)) == {0, 1}
+    # A hotter temperature flattens the distribution first: 0.15 and 0.05 come within 0.2 of the best.
+    assert draws(LOG_PROBS, params(temperature=10.0, min_p=0.2)) == {0, 1, 2, 3}
+
+
 def test_low_temperature_is_nearly_greedy_and_high_spreads():
     assert draws(LOG_PROBS, params(temperature=0.01)) == {0}
     flat = draws([0.0, 0.1, 0.2, 0.3], params(temperature=100.0))
