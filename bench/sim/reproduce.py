@@ -282,6 +282,7 @@ def setting_record(ctx: Ctx, seconds: float) -> dict:
         },
         "num_hbm_blocks": setup.num_hbm_blocks,
         "num_dram_blocks": setup.num_dram_blocks,
+        "sched_time": setup.sched_time,  # "measured": each step takes what schedule() took
         "workload": {
             "num_requests": len(items),
             "mean_prompt_tokens": sum(i.prompt_tokens for i in items) / len(items),
