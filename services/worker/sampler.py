@@ -2,8 +2,9 @@
 generator.
 
 Greedy rows share one argmax. The other rows are filtered together (temperature, then min-p,
-top-k and top-p as vLLM applies them, on one sorted copy of their logits); only the final draw is per row, with the
-request's own `torch.Generator`, reseeded for each draw from (request seed, position).
+top-k and top-p as vLLM applies them, on one sorted copy of their logits); only the final
+draw is per row, with the request's own `torch.Generator`, reseeded for each draw from
+(request seed, position).
 A token therefore depends on its seed, its position and its logits only: not on which
 requests shared the batch, nor on a preemption, recompute or resubmission before it.
 """
