@@ -11,7 +11,8 @@ import urllib.request
 import openai
 import pytest
 
-from bench.live.server import free_port, start_server, wait_for
+from bench.live.server import free_port
+from tests.e2e.test_rotation import serve_on_small_pool
 
 SYSTEM = (
     "You are a careful assistant for a small public library. You answer questions about opening "
@@ -40,31 +41,19 @@ async def complete(client: openai.AsyncOpenAI, model: str, question: str) -> str
 def serve_all(tmp_path, caching: bool) -> tuple[list[str], dict, float]:
     """Every question at once; (outputs, scheduler stats, prefix-cache hit tokens)."""
     metrics_port = free_port()
-    server = start_server(
-        tmp_path,
-        "--policy", "lvf",
-        "--hbm-blocks", str(HBM_BLOCKS),
-        "--ttft-slo", "0.5",
-        "--tbt-slo", "0.05",
-        "--metrics-port", str(metrics_port),
-        "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
-    )  # fmt: skip
-    try:
-        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
 
-        async def together():
-            return await asyncio.gather(*(complete(client, server.model, q) for q in QUESTIONS))
-
-        outputs = asyncio.run(together())
-        stats = server.scheduler_stats
-        assert wait_for(lambda: stats()["num_free_hbm_blocks"] == HBM_BLOCKS), stats()
+    async def scenario(client, server):
+        outputs = await asyncio.gather(*(complete(client, server.model, q) for q in QUESTIONS))
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         hits = re.search(r"^superinfer:prefix_cache_hits_total\{model_name=\"[^\"]+\"\} (\S+)$", text, re.M)
         assert hits is not None, text[-2000:]
-        return outputs, stats(), float(hits.group(1))
-    finally:
-        server.stop()
+        return outputs, float(hits.group(1))
+
+    flags = ["--policy", "lvf", "--metrics-port", str(metrics_port)]
+    flags.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
+    (outputs, hits), stats = serve_on_small_pool(tmp_path, HBM_BLOCKS, scenario, *flags)
+    return outputs, stats, hits
 
 
 @pytest.mark.slow

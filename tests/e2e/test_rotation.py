@@ -31,32 +31,32 @@ async def complete(client: openai.AsyncOpenAI, model: str, topic: str) -> str:
     return r.choices[0].text
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "policy, moved",
-    [("lvf", "num_rotations_out"), ("fcfs", "num_recomputes")],
-)
-def test_concurrent_outputs_equal_solo_outputs_under_rotation(tmp_path, policy, moved):
+def serve_on_small_pool(tmp_path, hbm_blocks: int, scenario, *flags: str):
+    """Runs `scenario(client, server)` against a server whose HBM pool holds `hbm_blocks` KV
+    blocks, with SLOs tight enough that the policy acts; once it is done, every block must be
+    back in the pool. Returns the scenario's result and the scheduler's stats."""
     server = start_server(
-        tmp_path,
-        "--policy", policy,
-        "--hbm-blocks", str(HBM_BLOCKS),
-        "--ttft-slo", "0.5",
-        "--tbt-slo", "0.05",
+        tmp_path, "--hbm-blocks", str(hbm_blocks), "--ttft-slo", "0.5", "--tbt-slo", "0.05", *flags
     )
     try:
         client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-        async def scenario():
-            solo = [await complete(client, server.model, t) for t in TOPICS]
-            together = await asyncio.gather(*(complete(client, server.model, t) for t in TOPICS))
-            return solo, together
-
-        solo, together = asyncio.run(scenario())
-        stats = lambda: server.get_json("/health")["schedulers"][0]  # noqa: E731
-        assert wait_for(lambda: stats()["num_free_hbm_blocks"] == HBM_BLOCKS), stats()
-        assert stats()[moved] > 0, stats()
+        result = asyncio.run(scenario(client, server))
+        stats = server.scheduler_stats
+        assert wait_for(lambda: stats()["num_free_hbm_blocks"] == hbm_blocks), stats()
+        return result, stats()
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, moved", [("lvf", "num_rotations_out"), ("fcfs", "num_recomputes")])
+def test_concurrent_outputs_equal_solo_outputs_under_rotation(tmp_path, policy, moved):
+    async def scenario(client, server):
+        solo = [await complete(client, server.model, t) for t in TOPICS]
+        together = await asyncio.gather(*(complete(client, server.model, t) for t in TOPICS))
+        return solo, together
+
+    (solo, together), stats = serve_on_small_pool(tmp_path, HBM_BLOCKS, scenario, "--policy", policy)
+    assert stats[moved] > 0, stats
     for topic, a, b in zip(TOPICS, solo, together):
         assert a == b, f"{topic!r}: served alone {a!r} != served under rotation {b!r}"

@@ -12,8 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from bench.live.server import start_server, wait_for
-from tests.e2e.test_rotation import HBM_BLOCKS, MAX_TOKENS, TOPICS, complete
+from tests.e2e.test_rotation import HBM_BLOCKS, MAX_TOKENS, TOPICS, complete, serve_on_small_pool
 
 CHARACTER = {
     "type": "object",
@@ -35,27 +34,18 @@ async def character(client: openai.AsyncOpenAI, model: str, topic: str) -> tuple
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, moved", [("lvf", "num_rotations_out"), ("fcfs", "num_recomputes")])
 def test_constrained_outputs_equal_solo_outputs_under_rotation(tmp_path, policy, moved):
-    server = start_server(
-        tmp_path, "--policy", policy, "--hbm-blocks", str(HBM_BLOCKS), "--ttft-slo", "0.5", "--tbt-slo", "0.05"
-    )
     constrained, plain = TOPICS[:8], TOPICS[8:]
-    try:
-        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
 
-        async def scenario():
-            solo = [await character(client, server.model, t) for t in constrained]
-            together = await asyncio.gather(
-                *(character(client, server.model, t) for t in constrained),
-                *(complete(client, server.model, t) for t in plain),
-            )
-            return solo, together[: len(constrained)]
+    async def scenario(client, server):
+        solo = [await character(client, server.model, t) for t in constrained]
+        together = await asyncio.gather(
+            *(character(client, server.model, t) for t in constrained),
+            *(complete(client, server.model, t) for t in plain),
+        )
+        return solo, together[: len(constrained)]
 
-        solo, together = asyncio.run(scenario())
-        stats = lambda: server.get_json("/health")["schedulers"][0]  # noqa: E731
-        assert wait_for(lambda: stats()["num_free_hbm_blocks"] == HBM_BLOCKS), stats()
-        assert stats()[moved] > 0, stats()
-    finally:
-        server.stop()
+    (solo, together), stats = serve_on_small_pool(tmp_path, HBM_BLOCKS, scenario, "--policy", policy)
+    assert stats[moved] > 0, stats
     for topic, a, b in zip(constrained, solo, together):
         assert a == b, f"{topic!r}: served alone {a!r} != served under rotation {b!r}"
         if a[1] == "stop":

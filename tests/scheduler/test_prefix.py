@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from services.scheduler.core import SchedulerCore
 from shared.protocol import AddRequest, SamplingParams
 
 from .harness import Driver, make_core
@@ -136,16 +137,23 @@ def test_recompute_keeps_full_blocks_cached_for_the_restart():
     assert d.finish == {"a": "length", "b": "length"}
 
 
-@pytest.mark.parametrize("eager", [False, True])
-def test_rotating_out_a_request_never_frees_or_moves_a_block_another_holds(eager):
-    # lvf on 20 blocks: a and b share 6 prompt blocks and grow to 17 each, so the newer one
-    # is rotated out; a keeps running on the shared blocks, which stay where they are.
+def two_sharing_the_system_prompt(eager: bool) -> tuple[SchedulerCore, Driver]:
+    """lvf on 20 blocks: a runs, then b arrives; they share 6 prompt blocks and grow to 17
+    blocks each, so they must take turns."""
     core = make_core("lvf", num_hbm=20, num_dram=64, block_size=BS, eager_rotation=eager)
     d = Driver(core)
     add_prompt(core, "a", SYSTEM + [1], 40)
     run_until_running(d, "a")
     d.step()
     add_prompt(core, "b", SYSTEM + [2], 40, d.now)
+    return core, d
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_rotating_out_a_request_never_frees_or_moves_a_block_another_holds(eager):
+    # lvf on 20 blocks: a and b share 6 prompt blocks and grow to 17 each, so the newer one
+    # is rotated out; a keeps running on the shared blocks, which stay where they are.
+    core, d = two_sharing_the_system_prompt(eager)
     shared, seen = None, 0
     while core.has_unfinished():
         plan = d.step()
@@ -193,12 +201,7 @@ def test_a_request_rotated_back_takes_its_prefix_from_hbm_and_copies_only_the_re
     # cached when the other is rotated out in the same step, without a copy: DRAM has
     # them), so a request coming back takes them by reference and copies only the blocks
     # HBM lacks, and only those count in B_xfer.
-    core = make_core("lvf", num_hbm=20, num_dram=64, block_size=BS, eager_rotation=eager)
-    d = Driver(core)
-    add_prompt(core, "a", SYSTEM + [1], 40)
-    run_until_running(d, "a")
-    d.step()
-    add_prompt(core, "b", SYSTEM + [2], 40, d.now)
+    core, d = two_sharing_the_system_prompt(eager)
     run_until_running(d, "b")
     shared = core.running["a"].hbm_blocks[:6]
     returns = 0
