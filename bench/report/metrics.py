@@ -3,6 +3,10 @@
 A request's record holds its time to first token (TTFT), every gap between two streamed
 chunks (TBT, as the paper's client and vLLM's benchmark measure it: per chunk, so a chunk
 carrying several tokens is one gap), its end-to-end latency, and its output token count.
+Beside every-gap TBT, a request's TPOT (time per output token, vLLM's definition) is
+(e2e − TTFT) / (output tokens − 1), for completed requests with two tokens or more: one
+figure per request, so a request that streams several tokens per chunk, or stalls once
+and then runs fast, counts once (TBT counts every gap).
 
 Attainment is counted against everything that was asked, so a failed request never
 improves a score:
@@ -57,6 +61,13 @@ def percentiles_ms(values_s: Sequence[float], prefix: str) -> dict[str, float | 
     return out
 
 
+def tpot_s(r: RequestRecord) -> float | None:
+    """(e2e − TTFT) / (output tokens − 1); None under two tokens or without both times."""
+    if r.output_tokens < 2 or r.e2e_s is None or r.ttft_s is None:
+        return None
+    return (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+
+
 def meets_ttft(r: RequestRecord, ttft_slo: float) -> bool:
     return r.ok and r.ttft_s is not None and r.ttft_s <= ttft_slo
 
@@ -93,6 +104,7 @@ def summarize(records: Sequence[RequestRecord], ttft_slo: float, tbt_slo: float,
         "output_len_match": ratio(sum(r.output_tokens == r.expected_output_tokens for r in expected), len(expected)),
         **percentiles_ms([r.ttft_s for r in done if r.ttft_s is not None], "ttft"),
         **percentiles_ms(gaps, "tbt"),
+        **percentiles_ms([t for r in done if (t := tpot_s(r)) is not None], "tpot"),
         **percentiles_ms([r.e2e_s for r in done if r.e2e_s is not None], "e2e"),
     }
 
@@ -117,7 +129,7 @@ def format_summary(s: dict) -> str:
     ]
     if s.get("cached_token_share") is not None:
         lines.append(f"prefix cache  {pct(s['cached_token_share'])} of prompt tokens cached")
-    for name in ("ttft", "tbt", "e2e"):
+    for name in ("ttft", "tbt", "tpot", "e2e"):
         cols = "  ".join(f"p{p} {num(s[f'{name}_p{p}_ms'])}" for p in PERCENTILES)
         lines.append(f"{name + ' ms':<13} mean {num(s[f'{name}_mean_ms'])}  {cols}")
     lines += [f"failure       {n} × {reason}" for reason, n in s["failures"].items()]

@@ -51,10 +51,23 @@ def test_percentiles_interpolate_linearly_in_ms():
     assert s["e2e_p50_ms"] == pytest.approx(1000.0)
 
 
+def test_tpot_is_one_figure_per_request_of_two_tokens_or_more():
+    s = summarize(hand_records(), TTFT_SLO, TBT_SLO, duration_s=10.0)
+    # (e2e − TTFT) / (n − 1): (0.85 − 0.5) / 3 and (6.01 − 6.0) / 1; one token or a failure has none
+    first, second = 350.0 / 3, 10.0
+    assert s["tpot_mean_ms"] == pytest.approx((first + second) / 2)
+    assert s["tpot_p50_ms"] == pytest.approx((first + second) / 2)
+    assert s["tpot_p90_ms"] == pytest.approx(second + 0.9 * (first - second))
+    assert s["tpot_p99_ms"] == pytest.approx(second + 0.99 * (first - second))
+    lines = format_summary(s).splitlines()
+    tbt = next(i for i, line in enumerate(lines) if line.startswith("tbt ms"))
+    assert lines[tbt + 1].startswith("tpot ms       mean 63.3  p50 63.3  p90 106.0  p99 115.6")
+
+
 def test_nothing_to_count_is_none():
     s = summarize([RequestRecord(False, error="boom")], TTFT_SLO, TBT_SLO, duration_s=0.0)
     assert s["ttft_attainment"] == 0.0 and s["tbt_attainment"] is None
-    assert s["ttft_p50_ms"] is None and s["goodput_rps"] is None
+    assert s["ttft_p50_ms"] is None and s["goodput_rps"] is None and s["tpot_p50_ms"] is None
     assert summarize([], TTFT_SLO, TBT_SLO, 1.0)["ttft_attainment"] is None
     assert "1 × boom" in format_summary(s)
 
