@@ -298,6 +298,7 @@ class ModelCard(Struct):
     id: str
     created: int
     max_model_len: int | None = None
+    root: str | None = None  # the served model's file or folder on the server's disk, as vLLM gives it
     owned_by: str = "superinfer"
     object: Literal["model"] = "model"
 

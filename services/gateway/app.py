@@ -53,6 +53,7 @@ class GatewayState:
     api_key: str | None = None
     served_model_names: list[str] = field(default_factory=list)  # --served-model-name
     seed: int | None = None  # --seed
+    root: str | None = None  # the model's file or folder, absolute (/v1/models' `root`)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     started: int = field(default_factory=lambda: int(time.time()))
 
@@ -249,7 +250,9 @@ def _served_max_model_len(state: GatewayState) -> int:
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     max_len = _served_max_model_len(state)
-    cards = [ModelCard(id=name, created=state.started, max_model_len=max_len) for name in state.names()]
+    cards = [
+        ModelCard(id=name, created=state.started, max_model_len=max_len, root=state.root) for name in state.names()
+    ]
     return _json(ModelList(data=cards))
 
 

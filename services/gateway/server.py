@@ -75,6 +75,7 @@ async def serve(
         api_key,
         served_model_names=served_model_names or [],
         seed=seed,
+        root=str(path.resolve()),
     )
     runner = web.AppRunner(
         build_app(state), handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S, access_log=None

@@ -13,6 +13,8 @@ import aiohttp
 import openai
 import pytest
 
+from shared.modelfile import default_model_path
+
 MAX_TOKENS = 16
 
 
@@ -221,6 +223,8 @@ def test_server_still_serves_after_bad_requests(server):
 def test_models_health_metrics(server):
     models = sync_client(server).models.list()
     assert [m.id for m in models.data] == [server.model]
+    # vLLM's `root`: where the served model lies (what `bench serve` loads its tokenizer from)
+    assert models.data[0].model_extra["root"] == str(default_model_path().resolve())
     status, _, body = raw(server, "GET", "/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
     status, _, body = raw(server, "GET", "/metrics")
