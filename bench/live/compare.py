@@ -19,7 +19,10 @@ without a model, the first of its GET /v1/models is sent. Two workloads:
   rate and burstiness, a row per target and run with the server's preemption counters.
 
 The load generator, the workloads and every figure are `bench serve`'s (`replay`,
-`load_workload`/`synthetic_items`, `summarize`). Writes `compare_<timestamp>.json` and the
+`load_workload`/`synthetic_items`, `summarize`). The workloads are built once, when the first
+target is ready, with the tokenizer `bench serve` would take against it (`--tokenizer`, else
+that target's served model where its `root` exists here, else the bundled model); every
+target gets the same requests. Writes `compare_<timestamp>.json` and the
 Markdown table beside it as `.md` under `--out-dir`, and prints the table.
 """
 
@@ -32,11 +35,12 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.live import pressure
-from bench.live.serve import first_model, replay
+from bench.live.serve import first_model, replay, tokenizer_path
 from bench.live.server import REPO, Launched, LaunchError, answers_ready, launch
 from bench.live.workload import SyntheticSpec, WorkItem, load_workload, synthetic_items
 from bench.report.metrics import RequestRecord, format_summary, summarize
@@ -91,7 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-timeout", type=float, default=30.0, help="SIGTERM to SIGKILL, s")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
     p.add_argument("--api-key", default=None, help="sent to every target as 'Authorization: Bearer KEY'")
-    p.add_argument("--tokenizer", default=None, help="GGUF or model directory building the prompts (default: bundled)")
+    p.add_argument(
+        "--tokenizer", default=None,
+        help="GGUF or model directory building the prompts (default: the first ready target's served model, "
+        "where its GET /v1/models root exists here; else the bundled model)",
+    )  # fmt: skip
     p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results", help="default %(default)s")
     p.add_argument("--log-dir", type=Path, default=None, help="start commands' output (default: a new temp folder)")
     g = p.add_argument_group("stream probe")
@@ -134,23 +142,18 @@ def run(args: argparse.Namespace) -> int:
     if error := usage_error(args):
         print(f"bench compare: {error}", file=sys.stderr)
         return 2
-    from services.gateway.tokenizer import load_tokenizer
-    from shared.modelfile import resolve_model_path
+    built: list[Workloads] = []  # by the first target that is ready
 
-    tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
-    probe = probe_workload(args, tokenizer) if "probe" in args.workloads else None
-    rated = sweep = None
-    if args.rates is not None:
-        sweep = [
-            (rate, b, load_workload("sharegpt", args.num_requests, rate, tokenizer, b, args.seed))
-            for rate, b in pressure.runs_of(args)
-        ]  # fmt: skip
-    elif "sharegpt" in args.workloads:
-        rated = load_workload("sharegpt", args.num_requests, args.rate, tokenizer, args.burstiness[0], args.seed)
+    def workloads(base_url: str, model: str) -> Workloads:
+        if not built:
+            built.append(build_workloads(args, tokenizer_path(args.tokenizer, base_url, args.api_key, model)))
+        return built[0]
+
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="superinfer-compare-"))
-    results = [run_target(t, probe, rated, sweep, args, log_dir / f"{stamp}-{t.name}.log") for t in args.target]
+    results = [run_target(t, workloads, args, log_dir / f"{stamp}-{t.name}.log") for t in args.target]
     body = {"created": stamp, "config": run_config(args), "targets": results}
+    body["tokenizer_path"] = str(built[0].tokenizer_path) if built else None
     table = markdown(body)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     json_path = args.out_dir / f"compare_{stamp}.json"
@@ -185,12 +188,38 @@ def target_ok(result: dict) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Workloads:
+    """What every target is sent; `sweep`: (rate, burstiness, items) of every `--rates` run."""
+
+    tokenizer_path: Path
+    probe: ProbeWorkload | None
+    rated: list[WorkItem] | None
+    sweep: list[tuple[float, float, list[WorkItem]]] | None
+
+
+def build_workloads(args, tokenizer_file: Path) -> Workloads:
+    from services.gateway.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_file)
+    probe = probe_workload(args, tokenizer) if "probe" in args.workloads else None
+    rated = sweep = None
+    if args.rates is not None:
+        sweep = [
+            (rate, b, load_workload("sharegpt", args.num_requests, rate, tokenizer, b, args.seed))
+            for rate, b in pressure.runs_of(args)
+        ]  # fmt: skip
+    elif "sharegpt" in args.workloads:
+        rated = load_workload("sharegpt", args.num_requests, args.rate, tokenizer, args.burstiness[0], args.seed)
+    return Workloads(tokenizer_file, probe, rated, sweep)
+
+
 # ---------------------------------------------------------------- one target
 
 
-def run_target(t: Target, probe, rated: list[WorkItem] | None, sweep, args, log_path: Path) -> dict:
+def run_target(t: Target, workloads: Callable[[str, str], Workloads], args, log_path: Path) -> dict:
     """Start (if asked), measure, stop. A target that cannot start is a result with an error.
-    `sweep`: (rate, burstiness, items) of every `--rates` run, or None."""
+    `workloads(base_url, model)`: the requests to send, built by the first ready target."""
     out: dict = {"name": t.name, "base_url": t.base_url, "model": t.model, "start": t.start, "error": None}
     print(f"== {t.name} at {t.base_url}" + (f": {t.start}" if t.start else ""), file=sys.stderr)
     server = None
@@ -201,11 +230,12 @@ def run_target(t: Target, probe, rated: list[WorkItem] | None, sweep, args, log_
         elif not answers_ready(t.base_url):
             raise LaunchError(f"nothing ready at {t.base_url}: start it first, or give a start command")
         model = out["model"] = t.model or first_model(t.base_url, args.api_key)
-        if probe is not None:
-            out["probe"] = run_probe(t.name, t.base_url, model, probe, args)
-        if rated is not None:
-            out["sharegpt"] = run_rated(t.name, t.base_url, model, rated, args)
-        for i, (rate, burstiness, items) in enumerate(sweep or []):
+        work = workloads(t.base_url, model)
+        if work.probe is not None:
+            out["probe"] = run_probe(t.name, t.base_url, model, work.probe, args)
+        if work.rated is not None:
+            out["sharegpt"] = run_rated(t.name, t.base_url, model, work.rated, args)
+        for i, (rate, burstiness, items) in enumerate(work.sweep or []):
             run = out.setdefault("runs", [])
             fresh: dict = {}
             if i and server is not None and args.restart_per_run:
@@ -332,6 +362,7 @@ def table_rows(cfg: dict) -> list[tuple[str, str, tuple[str, ...], str]]:
             (label, f"TBT gaps ≤ {cfg['tbt_slo'] * 1000:g} ms", ("sharegpt", "tbt_attainment"), "pct"),
             (label, "TTFT p50 (ms)", ("sharegpt", "ttft_p50_ms"), "ms"),
             (label, "TBT p50 (ms)", ("sharegpt", "tbt_p50_ms"), "ms"),
+            (label, "TPOT p50 (ms)", ("sharegpt", "tpot_p50_ms"), "ms"),
             (label, "output tok/s", ("sharegpt", "output_tok_s"), "rate"),
             (label, "e2e p50 (s)", ("sharegpt", "e2e_p50_ms"), "ms_as_s"),
             (label, "completed / failed", ("sharegpt",), "counts"),

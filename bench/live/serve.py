@@ -14,12 +14,19 @@ streamed back for it, then the new user turn; the next turn goes `--think-time` 
 the previous one's last chunk. A turn that fails ends its conversation (the turns after
 it are recorded as not sent). The server's `usage.prompt_tokens_details.cached_tokens`
 gives each request's cached tokens, summed into the cached-token share.
+
+Prompts are counted with the served model's tokenizer: the `root` GET /v1/models gives (the
+model's path on the server, as vLLM gives it) when that path exists on this machine, else
+the bundled model's, said on stderr; `--tokenizer` chooses one outright. `--json` writes our
+summary and records, or with `--result-format vllm` the keys vLLM's serving benchmark writes
+(bench/report/vllm_result.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import sys
@@ -32,6 +39,7 @@ import aiohttp
 
 from bench.live.workload import SyntheticSpec, WorkItem, add_chat_arguments, chat_spec, load_workload
 from bench.report.metrics import RequestRecord, format_summary, plot_cdfs, summarize
+from bench.report.vllm_result import vllm_result
 from services.scheduler.core import SchedulerConfig
 
 DONE = object()  # the `data: [DONE]` sentinel
@@ -42,7 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
     p.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--tokenizer", default=None, help="GGUF or model directory to count tokens with (default: bundled)")
+    p.add_argument(
+        "--tokenizer", default=None,
+        help="GGUF or model directory to count tokens with (default: the served model's, where GET /v1/models "
+        "gives a root that exists here; else the bundled model's)",
+    )  # fmt: skip
     p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic, or a JSONL trace path")
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--rate", type=float, default=math.inf, help="requests/s; inf sends all at once (default)")
@@ -58,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument(
+        "--result-format", choices=["superinfer", "vllm"], default="superinfer",
+        help="--json's keys: ours (summary, config, records) or those vLLM's serving benchmark writes",
+    )  # fmt: skip
     p.add_argument("--plots", type=Path, default=None, help="write TTFT/TBT CDF PNGs into this folder")
     add_chat_arguments(p)
     g = p.add_argument_group("synthetic dataset")
@@ -68,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    items = workload_from_args(args)
+    tokenizer = tokenizer_path(args.tokenizer, args.base_url, args.api_key, args.model)
+    items = workload_from_args(args, tokenizer)
     model = args.model or first_model(args.base_url, args.api_key)
     print(describe_workload(items, args.dataset), file=sys.stderr)
     records, duration_s = asyncio.run(replay(args.base_url, model, items, args))
@@ -76,18 +93,23 @@ def run(args: argparse.Namespace) -> int:
     print(format_summary(summary))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        body = {**summary, "config": run_config(args, model), "requests": [asdict(r) for r in records]}
+        if args.result_format == "vllm":
+            body = vllm_result(records, summary, vllm_meta(args, model, tokenizer))
+        else:
+            config = {**run_config(args, model), "tokenizer_path": str(tokenizer)}
+            body = {**summary, "config": config, "requests": [asdict(r) for r in records]}
         args.json.write_text(json.dumps(body, indent=1))
     if args.plots:
         plot_cdfs(records, args.ttft_slo, args.tbt_slo, args.plots)
     return 0 if summary["completed"] else 1
 
 
-def workload_from_args(args: argparse.Namespace) -> list[WorkItem]:
+def workload_from_args(args: argparse.Namespace, tokenizer_file: Path | None = None) -> list[WorkItem]:
+    """The items, counted with `tokenizer_file` (default: `--tokenizer`, else the bundled model)."""
     from services.gateway.tokenizer import load_tokenizer
     from shared.modelfile import resolve_model_path
 
-    tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
+    tokenizer = load_tokenizer(tokenizer_file or resolve_model_path(args.tokenizer))
     spec = SyntheticSpec(args.input_len, args.output_len, args.length_dist, args.length_spread)
     return load_workload(
         args.dataset, args.num_requests, args.rate, tokenizer, args.burstiness, args.seed, spec, chat_spec(args)
@@ -114,12 +136,59 @@ def run_config(args: argparse.Namespace, model: str) -> dict:
     return {**cfg, "model": model}
 
 
-def first_model(base_url: str, api_key: str | None) -> str:
+def vllm_meta(args: argparse.Namespace, model: str, tokenizer: Path) -> dict:
+    """The run keys vLLM's result file starts with (`backend`: its name for a streamed
+    /v1/completions client)."""
+    return {
+        "date": time.strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai",
+        "model_id": model,
+        "tokenizer_id": str(tokenizer),
+        "num_prompts": args.num_requests,
+        "request_rate": "inf" if math.isinf(args.rate) else args.rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+    }
+
+
+def served_models(base_url: str, api_key: str | None) -> list[dict]:
+    """GET /v1/models' cards."""
     import urllib.request
 
     req = urllib.request.Request(base_url.rstrip("/") + "/v1/models", headers=auth_headers(api_key))
     with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())["data"][0]["id"]
+        return json.loads(resp.read())["data"]
+
+
+def first_model(base_url: str, api_key: str | None) -> str:
+    return served_models(base_url, api_key)[0]["id"]
+
+
+def served_root(base_url: str, api_key: str | None, model: str | None) -> str | None:
+    """The `root` of `model`'s card in GET /v1/models (the first card's without a model)."""
+    cards = served_models(base_url, api_key)
+    card = next((c for c in cards if c.get("id") == model), cards[0] if cards else {})
+    return card.get("root")
+
+
+def tokenizer_path(explicit: str | None, base_url: str, api_key: str | None, model: str | None) -> Path:
+    """`explicit` (--tokenizer) when given; else the served model's `root` when that path
+    holds a model on this machine; else the bundled model, with one line on stderr saying why."""
+    from shared.modelfile import resolve_model_path
+
+    if explicit:
+        return resolve_model_path(explicit)
+    try:
+        root = served_root(base_url, api_key, model)
+    except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:  # no answer, or not a model list
+        root, reason = None, f"GET /v1/models failed: {e}"
+    else:
+        reason = "the server gives no model root" if root is None else f"its root {root} is no model on this machine"
+    if root is not None and Path(root).exists():
+        with contextlib.suppress(ValueError):  # a folder without config.json
+            return resolve_model_path(root)
+    print(f"tokenizer: the bundled model's ({reason}); --tokenizer chooses another", file=sys.stderr)
+    return resolve_model_path(None)
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

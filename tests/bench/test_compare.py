@@ -17,6 +17,7 @@ from bench.live import compare, pressure
 from bench.live.server import free_port, group_members, port_open
 from services.gateway.metrics import GatewayMetrics
 from services.scheduler.metrics import SchedulerMetrics
+from shared.modelfile import default_model_path
 from shared.protocol import SchedulerStats
 from tests.bench.test_serve import REQUIRED_KEYS
 
@@ -51,7 +52,8 @@ def test_table_sets_targets_side_by_side():
     cfg = vars(parse_args("--target", "a=http://h:1", "--streams", "8", "--num-requests", "60"))
     level = lambda itl, tok_s: {"ttft_p50_ms": 400.0, "tbt_p50_ms": itl, "tbt_p90_ms": itl, "output_tok_s": tok_s,
                                 "prompt_tokens_usage": [512, 512], "output_tokens": [128, 128]}  # fmt: skip
-    rated = lambda att: {"tbt_attainment": att, "completed": 60, "failed": 0, "e2e_p50_ms": 4900.0}
+    rated = lambda att: {"tbt_attainment": att, "completed": 60, "failed": 0, "e2e_p50_ms": 4900.0,
+                         "tbt_p50_ms": 25.0, "tpot_p50_ms": 30.0}  # fmt: skip
     targets = [
         {"name": "vllm", "error": None, "ready_s": 90.0, "probe": {"8": level(28.0, 167.0)}, "sharegpt": rated(0.992)},
         {"name": "ours", "error": None, "ready_s": 20.0, "probe": {"8": level(47.0, 106.0)}, "sharegpt": rated(0.37)},
@@ -64,6 +66,8 @@ def test_table_sets_targets_side_by_side():
     assert "|  | TBT gaps ≤ 100 ms | 99.2% | 37.0% | -62.2 pts |" in table
     assert "| ShareGPT, 60 requests at 1 req/s, seed 0 | TTFT ≤ 5 s | — | — |  |" in table
     assert "|  | e2e p50 (s) | 4.90 | 4.90 | 1.00× |" in table
+    tbt = table.index("|  | TBT p50 (ms) | 25.0 | 25.0 | 1.00× |")
+    assert table[tbt + 1] == "|  | TPOT p50 (ms) | 30.0 | 30.0 | 1.00× |"
     assert "|  | completed / failed | 60 / 0 | 60 / 0 |  |" in table
     one = compare.markdown({"config": cfg, "targets": targets[:1]}).splitlines()
     assert one[0] == "| workload | metric | vllm |" and "|  | ITL p50 (ms) | 28.0 |" in one
@@ -203,13 +207,16 @@ def test_our_server_twice_on_one_port(tmp_path, capsys):
         rated = t["sharegpt"]
         assert REQUIRED_KEYS <= rated.keys() and (rated["completed"], rated["failed"]) == (2, 0)
         assert rated["output_len_match"] == 1.0 and rated["e2e_p50_ms"] >= rated["ttft_p50_ms"] > 0
+        assert rated["tpot_p50_ms"] > 0
     assert not port_open("127.0.0.1", port)
+    assert body["tokenizer_path"] == str(default_model_path().resolve())  # the first target's served model
     table = json_path.with_suffix(".md").read_text()
     assert table.strip() in capsys.readouterr().out
     assert table.startswith("| workload | metric | ours | again | again vs ours |\n")
     rows = (
         "| server | time to ready (s) |", "| 2 streams, 40 → 6 tokens | TTFT p50 (ms) |", "|  | ITL p90 (ms) |",
         "| ShareGPT, 2 requests at 4 req/s, seed 11 | TTFT ≤ 5 s |", "|  | completed / failed | 2 / 0 | 2 / 0 |",
+        "|  | TPOT p50 (ms) |",
     )  # fmt: skip
     assert [row for row in rows if row not in table] == []
 
