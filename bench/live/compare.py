@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if error := usage_error(args):
         print(f"bench compare: {error}", file=sys.stderr)
         return 2
-    from services.gateway.tokenizer import load_tokenizer
+    from shared.tokenizer import load_tokenizer
     from shared.modelfile import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))

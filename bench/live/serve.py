@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def workload_from_args(args: argparse.Namespace) -> list[WorkItem]:
-    from services.gateway.tokenizer import load_tokenizer
+    from shared.tokenizer import load_tokenizer
     from shared.modelfile import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(args.tokenizer))
