@@ -199,7 +199,7 @@ class Workloads:
 
 
 def build_workloads(args, tokenizer_file: Path) -> Workloads:
-    from services.gateway.tokenizer import load_tokenizer
+    from shared.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_file)
     probe = probe_workload(args, tokenizer) if "probe" in args.workloads else None

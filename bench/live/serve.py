@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def workload_from_args(args: argparse.Namespace, tokenizer_file: Path | None = None) -> list[WorkItem]:
     """The items, counted with `tokenizer_file` (default: `--tokenizer`, else the bundled model)."""
-    from services.gateway.tokenizer import load_tokenizer
+    from shared.tokenizer import load_tokenizer
     from shared.modelfile import resolve_model_path
 
     tokenizer = load_tokenizer(tokenizer_file or resolve_model_path(args.tokenizer))

@@ -284,7 +284,7 @@ async def soak(url: str, model: str, pool: list[WorkItem], args, pid: int | None
 
 
 def sample_pool(args) -> list[WorkItem]:
-    from services.gateway.tokenizer import load_tokenizer
+    from shared.tokenizer import load_tokenizer
     from shared.modelfile import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(None))

@@ -196,7 +196,7 @@ def describe_profile(prof: dict) -> str:
 def run_once(setting: Setting, log_dir: Path, micro: dict | None = None) -> dict:
     """Serve, calibrate, evaluate, simulate (see the module's docstring). `micro`: the
     micro-benchmark profile whose step model is scaled; None measures one first."""
-    from services.gateway.tokenizer import load_tokenizer
+    from shared.tokenizer import load_tokenizer
     from shared.modelfile import resolve_model_path
 
     t0 = time.perf_counter()

@@ -158,7 +158,7 @@ def load_items(
     chat: ChatSpec | None = None,
 ) -> list[WorkItem]:
     """Requests with token counts from our tokenizer; arrivals are drawn per rate later."""
-    from services.gateway.tokenizer import load_tokenizer
+    from shared.tokenizer import load_tokenizer
     from shared.modelfile import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(tokenizer_path))

@@ -37,9 +37,9 @@ from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.openapi import openapi_document
 from services.gateway.responses import ChatFormat, CompletionFormat, respond_full, respond_stream
 from services.gateway.scheduler_client import RequestHandle, SchedulerClient, SchedulerLink
-from services.gateway.tokenizer import ModelTokenizer
 from shared.modelfile import ModelConfig
 from shared.protocol import AddRequest
+from shared.tokenizer import ModelTokenizer
 
 MAX_BODY_BYTES = 4 << 20
 log = structlog.get_logger()

@@ -28,10 +28,10 @@ from services.gateway.api import (
     CompletionRequest,
     SLOSpec,
 )
-from services.gateway.chat_template import ChatTemplateError
 from services.gateway.errors import bad_request
-from services.gateway.tokenizer import ModelTokenizer
+from shared.chat_template import ChatTemplateError
 from shared.protocol import SLO, SamplingParams
+from shared.tokenizer import ModelTokenizer
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 Request = ChatCompletionRequest | CompletionRequest

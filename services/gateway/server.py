@@ -15,11 +15,11 @@ from aiohttp import web
 
 from services.gateway.app import GatewayState, build_app
 from services.gateway.scheduler_client import SchedulerClient
-from services.gateway.tokenizer import load_tokenizer
 from shared import zmqsec
 from shared.config import DEFAULT_FAILOVER_GRACE_S
 from shared.log import setup_logging
 from shared.modelfile import read_model_config, resolve_model_path
+from shared.tokenizer import load_tokenizer
 
 SHUTDOWN_GRACE_S = 1.0
 log = structlog.get_logger()

@@ -21,8 +21,8 @@ from msgspec import Meta, Struct
 from services.gateway.api import ChatMessage
 from services.gateway.errors import bad_request, from_validation
 from services.gateway.params import chat_messages
-from services.gateway.tokenizer import ModelTokenizer
 from services.gateway.unsupported import Refused, refusal
+from shared.tokenizer import ModelTokenizer
 
 
 class TokenizeRequest(Struct, kw_only=True):

@@ -60,8 +60,8 @@ class GrammarCompiler:
 
     @cached_property
     def tokenizer(self) -> llguidance.LLTokenizer:
-        # The gateway's loader: the one reader of tokenizers from model files.
-        from services.gateway.tokenizer import load_tokenizer
+        # The one reader of tokenizers from model files, the gateway's too.
+        from shared.tokenizer import load_tokenizer
 
         tok = load_tokenizer(self.model_path)
         return llguidance.LLTokenizer(tok.backend_json(), eos_token=tok.stop_token_ids)

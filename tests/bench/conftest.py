@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.tokenizer import ModelTokenizer, load_tokenizer
 from shared.modelfile import resolve_model_path
+from shared.tokenizer import ModelTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 
 from services.gateway.server import serve
-from services.gateway.tokenizer import ModelTokenizer, load_tokenizer
 from shared.modelfile import default_model_path
+from shared.tokenizer import ModelTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.chat_template import ChatTemplateError
-from services.gateway.tokenizer import load_tokenizer
+from shared.chat_template import ChatTemplateError
+from shared.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello world",

@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from services.gateway.chat_template import ChatTemplate
+from shared.chat_template import ChatTemplate
 from shared.modelfile import gguf_fields, is_gguf
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
