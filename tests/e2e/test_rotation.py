@@ -1,4 +1,4 @@
-"""Rotation in the serving path: with an HBM pool that holds about two requests' KV, 16
+"""Rotation in the serving path: with an HBM pool that holds about two requests' KV, 8
 concurrent greedy requests each get exactly the tokens they get when served alone."""
 
 from __future__ import annotations
@@ -10,11 +10,7 @@ import pytest
 
 from bench.live.server import start_server, wait_for
 
-TOPICS = [
-    "the ocean", "a mountain village", "trains", "the moon", "bread baking", "a lost cat",
-    "winter storms", "old libraries", "bees", "a chess match", "desert nights", "rivers",
-    "a robot gardener", "lighthouses", "city markets", "the first snow",
-]
+TOPICS = ["the ocean", "a mountain village", "trains", "the moon", "bread baking", "a lost cat", "bees", "rivers"]
 MAX_TOKENS = 32
 # ~30 prompt + 32 output tokens = 4 blocks of 16 per request; 9 blocks hold about two.
 HBM_BLOCKS = 9

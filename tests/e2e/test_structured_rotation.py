@@ -34,7 +34,7 @@ async def character(client: openai.AsyncOpenAI, model: str, topic: str) -> tuple
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, moved", [("lvf", "num_rotations_out"), ("fcfs", "num_recomputes")])
 def test_constrained_outputs_equal_solo_outputs_under_rotation(tmp_path, policy, moved):
-    constrained, plain = TOPICS[:8], TOPICS[8:]
+    constrained, plain = TOPICS[:4], TOPICS[4:]
 
     async def scenario(client, server):
         solo = [await character(client, server.model, t) for t in constrained]
