@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from services import admin_cli, flags
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args)
     if args.command == "worker":
+        _bind_compute_threads(args.tp)
         from services.worker.service import run
 
         return run(args)
@@ -126,6 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         return zmqsec.run_keys(args)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _bind_compute_threads(num_ranks: int) -> None:
+    """Each of the worker's OpenMP threads stays on its own core, as vLLM's CPU worker binds
+    them: a step's threads keep their caches when the gateway and scheduler wake beside them
+    (8 and 16 streams: 2-16% more tokens/s in an A/B on 2 cores). OpenMP reads these once,
+    when torch loads it, so they are set before; an operator's own OMP_* settings win, and
+    tensor-parallel ranks (processes sharing the cores) are left unbound."""
+    if num_ranks == 1:
+        os.environ.setdefault("OMP_PROC_BIND", "close")
+        os.environ.setdefault("OMP_PLACES", "cores")
 
 
 def _run_bench(name: str, argv: list[str]) -> int:
