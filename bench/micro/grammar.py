@@ -227,7 +227,10 @@ def walk(backend, compiled, answer: list[int], stop_ids: list[int], mask: torch.
     raise AssertionError("unreachable")
 
 
-def measure_case(backend, schema: dict, answer: list[int], data: TokenizerData, repeats: int) -> dict:
+def measure_case(
+    backend, schema: dict, answer: list[int], data: TokenizerData, repeats: int, samples: list[float] | None = None
+) -> dict:
+    """`samples`, when given, also receives every mask's wall time (the library's summary)."""
     mask = torch.zeros((data.vocab_size + 31) // 32, dtype=torch.int32)  # [W]
     t0 = time.perf_counter()
     compiled = backend.compile(schema)
@@ -243,6 +246,8 @@ def measure_case(backend, schema: dict, answer: list[int], data: TokenizerData, 
         cpus += c
         if refused is not None:
             break
+    if samples is not None:
+        samples += walls
     return {
         "compile_ms": round(compile_ms, 3),
         "matcher_ms": _ms(statistics.median(matcher_s)),
@@ -270,11 +275,14 @@ def run_library(name: str, data: TokenizerData, cases: dict[str, tuple[dict | No
         "tokenizer_setup_ms": round((time.perf_counter() - t0) * 1e3, 1),
         "cases": {},
     }
+    walls: list[float] = []
     for case, (schema, answer) in cases.items():
         try:
-            result["cases"][case] = measure_case(backend, schema or {"type": "object"}, answer, data, repeats)
+            result["cases"][case] = measure_case(backend, schema or {"type": "object"}, answer, data, repeats, walls)
         except Exception as e:  # a schema this library cannot take is a result, not a crash
             result["cases"][case] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    if walls:  # every mask of every case
+        result["all_cases"] = {"mask_ms": _ms(statistics.median(walls)), "mask_p99_ms": _ms(_p99(walls))}
     return result
 
 
@@ -293,7 +301,11 @@ def format_table(results: dict) -> str:
         if "skipped" in lib:
             lines.append(f"{name:<14} skipped: {lib['skipped']}")
             continue
-        lines.append(f"{name:<14} {lib['version']}, tokenizer setup {lib['tokenizer_setup_ms']:.0f} ms")
+        summary = lib.get("all_cases", {})
+        lines.append(
+            f"{name:<14} {lib['version']}, tokenizer setup {lib['tokenizer_setup_ms']:.0f} ms; all cases:"
+            f" mask {summary.get('mask_ms', float('nan')):.4f} ms median, {summary.get('mask_p99_ms', float('nan')):.4f} ms p99"
+        )
         for case, r in lib["cases"].items():
             if "error" in r:
                 lines.append(f"{'':<14} {case:<16} error: {r['error'][:80]}")

@@ -55,7 +55,8 @@ def test_run_writes_the_table_and_json(tmp_path, capsys, monkeypatch):
     results = json.loads(out.read_text())
     assert results["setup"]["vocab_size"] == 49152 and results["setup"]["threads"] == 1
     lib = results["libraries"]["llguidance"]
-    assert set(lib) == {"version", "tokenizer_setup_ms", "cases"}
+    assert set(lib) == {"version", "tokenizer_setup_ms", "cases", "all_cases"}
+    assert lib["all_cases"]["mask_ms"] <= lib["all_cases"]["mask_p99_ms"]
     case = lib["cases"]["enum"]
     assert case["refused"] is None
     assert set(case) >= {"compile_ms", "matcher_ms", "first_mask_ms", "mask_ms", "mask_p99_ms", "steps", "refused"}
