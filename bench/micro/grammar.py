@@ -346,10 +346,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-    failed = [
-        f"{name}/{case}"
-        for name, lib in results["libraries"].items()
-        for case, r in lib.get("cases", {}).items()
-        if r.get("refused") is not None
-    ]
-    return 1 if failed else 0
+    refused = any(r.get("refused") for lib in results["libraries"].values() for r in lib.get("cases", {}).values())
+    return 1 if refused else 0  # a library that refused a valid answer: its timings do not count
