@@ -5,7 +5,7 @@
     superinfer queues|top|stats           # what the scheduler is doing (admin socket)
     superinfer abort ID | drain [--undo]  # operator commands (admin token)
     superinfer keys DIR                   # CURVE keys for --zmq-keys (tcp:// off loopback)
-    superinfer bench model|kv|sched ...   # benchmarks (print numbers, write JSON)
+    superinfer bench model|kv|sched|grammar ...   # benchmarks (print numbers, write JSON)
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ BENCHMARKS = {
     "model": ("bench.micro.model", "our worker vs transformers: prefill tok/s, decode step ms"),
     "kv": ("bench.micro.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
     "sched": ("bench.micro.sched", "time of one LVF scheduling step vs live requests"),
+    "grammar": ("bench.micro.grammar", "llguidance vs xgrammar vs outlines-core: schema compile ms, mask ms per step"),
     "serve": ("bench.live.serve", "load generator against an OpenAI-compatible server: SLO attainment"),
     "compare": ("bench.live.compare", "the same workloads against several servers in turn (ours, vLLM...), side by side"),
     "policies": ("bench.live.policies", "lvf vs fcfs vs sf vs wf on the live server under overload"),
