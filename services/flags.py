@@ -85,8 +85,9 @@ def scheduler_args(p: argparse.ArgumentParser) -> None:
         "--pipeline-depth",
         type=int,
         choices=config.PIPELINE_DEPTHS,
-        default=config.DEFAULT_PIPELINE_DEPTH,
-        help="plans in flight at the worker: 2 builds step t+1 while t computes, 1 waits (default %(default)s)",
+        default=None,
+        help="plans in flight at the worker: 2 builds step t+1 while t computes, 1 waits for each result "
+        "(default: 1 on a CPU worker, 2 on a GPU)",
     )
     g.add_argument("--step-trace", default=None, metavar="PATH", help="append one JSON line per step to PATH")
     g.add_argument(

@@ -31,10 +31,18 @@ ZMQ_HWM = 10_000
 ZMQ_LINGER_MS = 500
 
 # Plans at the worker at once (services/scheduler/driver.py): 2 builds step t+1 while t
-# computes, 1 waits for each result. The service's --pipeline-depth, the simulator's and the
-# replay of a live run all default to this one.
+# computes, 1 waits for each result. The service's --pipeline-depth and the simulator's both
+# default to `default_pipeline_depth`.
 PIPELINE_DEPTHS = (1, 2)
-DEFAULT_PIPELINE_DEPTH = 2
+
+
+def default_pipeline_depth(on_cpu: bool) -> int:
+    """2 where a device computes beside the host (a GPU: a step takes a few ms, plan t+1 and
+    its swap-ins must be ready before t ends); 1 where the host's cores compute. There a step
+    takes 30-110 ms against a ~1 ms round trip for the next plan, and a plan built a step
+    early keeps every request that arrives during step t out of step t+1: one more step of
+    TTFT for each, to save that millisecond (measured: README, "Benchmarks")."""
+    return 1 if on_cpu else 2
 
 
 # ---------------------------------------------------------------- KV geometry

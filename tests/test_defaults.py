@@ -125,21 +125,23 @@ def test_a_bool_default_flipped_in_the_config_flips_the_help_the_child_argv_and_
     assert getattr(simulated_config(), name) is (not before)
 
 
-def test_the_pipeline_depth_has_one_default():
+def test_the_pipeline_depth_defaults_by_device_everywhere():
+    """Unset, the depth is the one `config.default_pipeline_depth` gives the worker's device:
+    the service's flag and the simulator's leave it unset, and the simulator resolves it from
+    the profile (GPU profiles pipeline, the cpu ones do not) as the service does from the worker."""
     import inspect
 
-    from bench.sim.engine import SimSetup
-    from services.scheduler.driver import Driver
+    from bench.sim import engine
     from services.scheduler.service import SchedulerService
 
-    depth = config.DEFAULT_PIPELINE_DEPTH
+    assert (config.default_pipeline_depth(on_cpu=True), config.default_pipeline_depth(on_cpu=False)) == (1, 2)
     parser = build_parser()
     for cmd in ("serve", "scheduler"):
-        assert parser.parse_args([cmd]).pipeline_depth == depth
-        assert f"(default {depth})" in option_help(command(parser, cmd), "--pipeline-depth")
-    assert inspect.signature(SchedulerService).parameters["pipeline_depth"].default == depth
-    assert inspect.signature(Driver).parameters["depth"].default == depth
-    assert SimSetup.__dataclass_fields__["pipeline_depth"].default == depth
+        assert parser.parse_args([cmd]).pipeline_depth is None
+        assert "1 on a CPU worker, 2 on a GPU" in option_help(command(parser, cmd), "--pipeline-depth")
+    assert inspect.signature(SchedulerService).parameters["pipeline_depth"].default is None
+    assert engine.SimSetup.__dataclass_fields__["pipeline_depth"].default is None
+    assert inspect.signature(engine.make_setup).parameters["depth"].default is None
     p = argparse.ArgumentParser()
     sweep.add_arguments(p)
-    assert p.parse_args([]).pipeline_depth == depth
+    assert p.parse_args([]).pipeline_depth is None

@@ -3,9 +3,9 @@
 
 The steps are driven by the live scheduler's own step driver (services/scheduler/driver.py)
 on a virtual clock (`run_clock`): requests arrive at their times, the driver keeps
-`--pipeline-depth` plans at the worker (2, the live default: plan t+1 is built while t
-computes, so a step stalls only if scheduling takes longer; 1 plans each step after the
-previous result), and a result, synthesized (one token for every request whose scheduled
+`--pipeline-depth` plans at the worker (by default the live server's for the profile's
+device: 2 on a GPU profile, where plan t+1 is built while t computes, so a step stalls only
+if scheduling takes longer; 1 on a cpu profile, planning each step after the previous result), and a result, synthesized (one token for every request whose scheduled
 tokens reach the end of its known tokens), is applied when the cost model (bench/sim/costmodel.py)
 says its step ends. A request that arrives while a step computes is planned at once if the
 pipeline has room, as the live loop plans after every message. Fed a live run's arrivals
@@ -51,7 +51,7 @@ from bench.sim.costmodel import Hardware, ModelShape, StepWork, compute_time, nu
 from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
-from shared.config import DEFAULT_PIPELINE_DEPTH
+from shared.config import default_pipeline_depth
 from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, TokenOutput
 
 TOKEN = 1  # the id every synthesized sample carries but a request's last
@@ -105,7 +105,9 @@ class SimSetup:
     num_dram_blocks: int = 0
     sched_time: str = "model"  # "model" | "measured" | milliseconds
     check_invariants: bool = False
-    pipeline_depth: int = DEFAULT_PIPELINE_DEPTH  # plans at the worker at once, as the live scheduler keeps
+    # Plans at the worker at once; None: the live default for the profile's device (a GPU
+    # profile has `pipeline`, the cpu ones do not).
+    pipeline_depth: int | None = None
     # The client's max_tokens: 0 asks each request's true output length (it ends by length);
     # else this cap (at least the true length, within the context window), and the request
     # ends at its true length with a stop token, as a model's EOS ends it.
@@ -231,7 +233,8 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
                 bisect.insort(arrivals, (arrived[i + 1], requests[i + 1]), key=lambda a: a[0])
         check()
 
-    driver = Driver(core, send, setup.pipeline_depth, time.perf_counter)
+    depth = setup.pipeline_depth or default_pipeline_depth(on_cpu=not hw.pipeline)
+    driver = Driver(core, send, depth, time.perf_counter)
     first = [(it.arrival_s, req) for it, req in zip(items, requests) if it.turn == 0]
     arrivals = sorted(first, key=lambda a: a[0])
     run_clock(driver, arrivals, idle=idle, applied=applied)
@@ -344,7 +347,7 @@ def make_setup(
     dram: int | None = None,
     sched_time: str = "model",
     check: bool = False,
-    depth: int = 2,
+    depth: int | None = None,
     max_tokens: int = 0,
     predictor_noise: float = 1.0,
 ) -> SimSetup:

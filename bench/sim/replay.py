@@ -27,13 +27,12 @@ from bench.sim.costmodel import MODELS, StepWork, compute_time, hardware_from_di
 from services.scheduler.core import SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
-from shared.config import DEFAULT_PIPELINE_DEPTH
 from shared.protocol import Plan
 
 MIN_COMPUTE_S = 1e-3  # a step below this computed nothing (drops only)
 BUSY_PLAN_WAIT_S = 1e-3  # the worker had the plan queued: the period is all step
 TICK_S = 0.002  # results traced closer than this were drained in one tick of the scheduler's loop
-SCHEDULE_LAG_S = 3e-4  # the service plans this long after it applied a result (its replies go first)
+SCHEDULE_LAG_S = 3e-4  # the service plans this long after it applied a result (its metrics and trace go first)
 
 
 @dataclass(frozen=True)
@@ -116,11 +115,16 @@ def match_requests(records: list[RequestRecord], finishes: list[dict]) -> dict[i
 
 
 def replay_plans(
-    items: list[WorkItem], arrivals: list[float], result_times: list[float], cfg: SchedulerConfig, pools: Pools
+    items: list[WorkItem],
+    arrivals: list[float],
+    result_times: list[float],
+    cfg: SchedulerConfig,
+    pools: Pools,
+    depth: int,
 ) -> list[tuple[StepWork, int]]:
     """(work, number of samples) of every plan the live scheduler built, re-derived: a fresh
-    core, driven as the service drives it (the step driver, `DEFAULT_PIPELINE_DEPTH` plans in
-    flight), gets each request at its arrival and each result at the time the service got
+    core, driven as the service drives it (the step driver, `depth` plans in flight, as
+    the server ran), gets each request at its arrival and each result at the time the service got
     it, and plans once per tick after its updates (results closer than `TICK_S` came in one
     tick), `SCHEDULE_LAG_S` later. Times are epoch seconds; only their order and spacing
     matter."""
@@ -135,7 +139,7 @@ def replay_plans(
 
     timed = sorted(zip(arrivals, engine.requests_of(items)), key=lambda a: a[0])
     start = min([*arrivals, *result_times], default=0.0)
-    driver = Driver(core, send, DEFAULT_PIPELINE_DEPTH)
+    driver = Driver(core, send, depth)
     engine.run_clock(driver, timed, start=start, result_times=result_times, lag_s=SCHEDULE_LAG_S, tick_s=TICK_S)
     return plans
 
@@ -193,10 +197,12 @@ class Served:
     latencies: list[float]
 
     @classmethod
-    def of(cls, run: LiveRun, items: list[WorkItem], log_path: Path, cfg: SchedulerConfig, pools: Pools) -> Served:
+    def of(
+        cls, run: LiveRun, items: list[WorkItem], log_path: Path, cfg: SchedulerConfig, pools: Pools, depth: int
+    ) -> Served:
         matched = match_requests(run.records, scheduler_finishes(log_path, *run.wall))
         arrivals = arrivals_at_scheduler(run, items, matched)
-        plans = replay_plans(items, arrivals, [s["t"] for s in run.steps], cfg, pools)
+        plans = replay_plans(items, arrivals, [s["t"] for s in run.steps], cfg, pools, depth)
         samples, same = step_samples(plans, run.steps)
         return cls(samples, same, client_latencies(run.records, matched))
 

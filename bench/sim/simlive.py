@@ -28,7 +28,8 @@ machine to itself. Served on two shared cores, the same steps computed ~2.3x slo
 otherwise quiet machine: the worker's torch runs two threads, and the gateway
 (detokenization, SSE), the scheduler and the load client take a core during its steps (with
 one torch thread the served steps matched the one-thread micro-benchmark). The gap between
-steps is well under a millisecond (the pipeline keeps the next plan queued at the worker);
+steps is about a millisecond (on the CPU the scheduler plans each step after the previous
+result: `config.default_pipeline_depth`);
 the HTTP path adds ~8 ms to TTFT. Why one scale and not a refit of the four terms on served
 steps: few of those steps prefill, so a refit leaves the prefill cost (hence TTFT) loose,
 and decode count and KV read move together; under other load the micro-benchmark itself
@@ -61,6 +62,7 @@ from bench.sim.costmodel import MODELS, PROFILE_DIR, hardware_from_dict
 from bench.sim.replay import LiveRun, Pools, Served, live_profile, serve_trace, served_ratio, step_gap_s
 from services.cli import build_parser
 from services.scheduler.core import POLICIES, SchedulerConfig
+from shared.config import default_pipeline_depth
 
 HERE = Path(__file__).resolve().parents[1]  # bench/
 HISTORY = HERE / "results" / "simlive_runs.jsonl"
@@ -88,6 +90,7 @@ class Setting:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     xfer_budget: int = SchedulerConfig.xfer_budget
     transfer_mode: str = "duplex"
+    pipeline_depth: int = default_pipeline_depth(on_cpu=True)  # the server runs on this machine's CPU
 
     def server_argv(self, step_trace: Path) -> list[str]:
         return [
@@ -95,6 +98,7 @@ class Setting:
             *("--hbm-blocks", str(self.hbm_blocks), "--dram-gb", str(self.dram_gb)),
             *("--max-batched-tokens", str(self.max_batched_tokens), "--max-num-seqs", str(self.max_num_seqs)),
             *("--xfer-budget", str(self.xfer_budget), "--transfer-mode", self.transfer_mode),
+            *("--pipeline-depth", str(self.pipeline_depth)),
             *("--step-trace", str(step_trace), "--admin-bind", "off"),
         ]
 
@@ -117,7 +121,8 @@ def calibrate_live(
 ) -> dict:
     """The `cpu-live` profile from the calibration traces served before and after the
     evaluated one (a machine whose load drifts meets the evaluation halfway)."""
-    served = [Served.of(run, items, log_path, setting.scheduler_config(), pools) for run, items in runs]
+    cfg, depth = setting.scheduler_config(), setting.pipeline_depth
+    served = [Served.of(run, items, log_path, cfg, pools, depth) for run, items in runs]
     scale = served_ratio([x for s in served for x in s.samples], micro)
     latencies = [x for s in served for x in s.latencies]
     gap = step_gap_s([step for run, _ in runs for step in run.steps])  # a run's first step follows idle: skipped
@@ -148,7 +153,8 @@ def simulate(items: list[WorkItem], profile: dict, setting: Setting, pools: Pool
     hw = hardware_from_dict(profile)
     cfg = setting.scheduler_config()
     setup = engine.make_setup(
-        hw, MODELS["smollm2"], cfg, setting.transfer_mode, pools.num_hbm_blocks, pools.num_dram_blocks
+        hw, MODELS["smollm2"], cfg, setting.transfer_mode, pools.num_hbm_blocks, pools.num_dram_blocks,
+        depth=setting.pipeline_depth,
     )
     return engine.simulate([replace(it, prompt="") for it in items], setup)
 
@@ -224,7 +230,8 @@ def run_once(setting: Setting, log_dir: Path, micro: dict | None = None) -> dict
         "load": [runs[0].load[0], runs[2].load[1]],
         # Not used by the simulator: the evaluated steps against the calibrated model (the drift).
         "eval_ratio_unused": served_ratio(
-            Served.of(live, items, server.log_path, setting.scheduler_config(), pools).samples, cal["profile"]
+            Served.of(live, items, server.log_path, setting.scheduler_config(), pools, setting.pipeline_depth).samples,
+            cal["profile"],
         ),
     }
     return res | compare(res["live"], res["sim"]) | {"calibration": cal, "wall_s": time.perf_counter() - t0}

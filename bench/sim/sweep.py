@@ -34,7 +34,7 @@ from bench.report.plots import KNOBS, plot_attainment
 from bench.sim.costmodel import MODELS, Hardware, ModelShape, check_pair, load_hardware
 from bench.sim.engine import SimRun, SimSetup, make_setup, simulate
 from services.scheduler.core import POLICIES, SchedulerConfig
-from shared.config import DEFAULT_PIPELINE_DEPTH, PIPELINE_DEPTHS
+from shared.config import PIPELINE_DEPTHS
 
 # Row keys that depend on this machine's wall clock, not on the simulation.
 WALL_KEYS = ("wall_s", "sched_wall_ms_p50", "sched_wall_ms_p99")
@@ -231,8 +231,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--pipeline-depth",
         type=int,
         choices=PIPELINE_DEPTHS,
-        default=DEFAULT_PIPELINE_DEPTH,
-        help="plans in flight, as the live scheduler's --pipeline-depth (default %(default)s)",
+        default=None,
+        help="plans in flight, as the live scheduler's --pipeline-depth (default: the live one for the profile's device)",
     )
     p.add_argument("--check-invariants", action="store_true", help="check the core's invariants every step")
     p.add_argument("--seed", type=int, default=0)

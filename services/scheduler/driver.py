@@ -23,7 +23,6 @@ from typing import Generic, Protocol, TypeVar
 
 from services.scheduler.core import SchedulerCore
 from services.scheduler.core.step import Step
-from shared.config import DEFAULT_PIPELINE_DEPTH
 from shared.protocol import Plan, StepResult, TokenOutput
 
 
@@ -41,7 +40,7 @@ class Driver(Generic[S]):
         self,
         core: SchedulerCore,
         send: Callable[[Plan, Step, float], S],
-        depth: int = DEFAULT_PIPELINE_DEPTH,
+        depth: int,
         timer: Callable[[], float] | None = None,
     ) -> None:
         """`send(plan, step, schedule_s)`: the plan, the core's record of the step that

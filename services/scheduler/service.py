@@ -76,7 +76,7 @@ class SchedulerService:
         bind: str,
         worker_bind: str,
         log,
-        pipeline_depth: int = config.DEFAULT_PIPELINE_DEPTH,
+        pipeline_depth: int | None = None,
         step_trace: str | None = None,
         admin_bind: str | None = None,
         admin_token: str | None = None,
@@ -104,7 +104,7 @@ class SchedulerService:
         self.step_timeout_s = step_timeout_s
         self.num_worker_losses = 0
         self.idle = True  # nothing in flight and nothing to schedule
-        self.pipeline_depth = pipeline_depth
+        self.pipeline_depth = pipeline_depth  # None: by the worker's device (config.default_pipeline_depth)
         self.trace = open(step_trace, "a", buffering=1) if step_trace else None
         self.num_steps = 0
         self.last_stats = 0.0
@@ -299,12 +299,14 @@ class SchedulerService:
         # The worker owns the KV layout, so its block size wins.
         cfg = dataclasses.replace(self.cfg, block_size=ready.block_size)
         core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len, ready.model_name)
-        self.driver = Driver(core, self._send_plan, self.pipeline_depth, time.perf_counter)
+        depth = self.pipeline_depth or config.default_pipeline_depth(on_cpu=ready.device.startswith("cpu"))
+        self.driver = Driver(core, self._send_plan, depth, time.perf_counter)
         self.step_times.clear()
         self.log.info(
             "worker ready",
             model=ready.model_name,
             device=ready.device,
+            pipeline_depth=depth,
             hbm_blocks=ready.num_hbm_blocks,
             dram_blocks=ready.num_dram_blocks,
             num_resumed=sum(h.resumed for h in self.held),
@@ -364,6 +366,7 @@ class SchedulerService:
             self.log.warning("unexpected step result", step_id=result.step_id)
             return
         flight, outputs = applied
+        core = self.driver.core  # kept: planning below may lose the worker
         self.stats_changed = True
         self.step_times.append((now - max(flight.sent_at, self.last_result_at), flight.num_tokens))
         self.last_result_at = now
@@ -371,6 +374,7 @@ class SchedulerService:
         self.observer.outputs(outputs, now)
         if self.trace:
             self._trace(result, flight, stalled)
+        self._maybe_step()  # the next plan before the replies: at depth 1 the worker waits for it
         by_owner: dict[bytes, list[p.TokenOutput]] = defaultdict(list)
         for out in outputs:
             owner = self.owner.get(out.request_id)
@@ -382,8 +386,8 @@ class SchedulerService:
         for owner, outs in by_owner.items():
             self._reply(owner, p.StepOutputs(outs))
         self.num_steps += 1
-        if self.num_steps % INVARIANT_CHECK_EVERY == 0 or not self.core.has_unfinished():
-            self.core.check_invariants()
+        if self.num_steps % INVARIANT_CHECK_EVERY == 0 or not core.has_unfinished():
+            core.check_invariants()
 
     def _fail_all(self, reason: str) -> None:
         for rid, owner in self.owner.items():

@@ -39,12 +39,15 @@ class ToyWorker:
     """Executes plans in order, checks the plan's positions against what it has computed,
     and replies unless hung. `kill()` closes its socket at once, like SIGKILL."""
 
-    def __init__(self, addr: str, step_s: float = 0.005) -> None:
+    def __init__(self, addr: str, step_s: float = 0.005, device: str = "cpu") -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(addr)
         self.step_s = step_s
+        self.device = device
+        self.computing: int | None = None  # the step id of the plan being executed
+        self.scheduled: dict[int, list[str]] = {}  # step id -> the requests it scheduled
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.hung = False
@@ -52,10 +55,12 @@ class ToyWorker:
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
-        ready = p.WorkerReady("toy", NUM_HBM_BLOCKS, 256, BLOCK_SIZE, 256, "cpu", vocab_size=VOCAB_SIZE)
+        ready = p.WorkerReady("toy", NUM_HBM_BLOCKS, 256, BLOCK_SIZE, 256, self.device, vocab_size=VOCAB_SIZE)
         await self.sock.send(p.encode(ready))
         while True:
             plan = p.worker_msg_decoder.decode(await self.sock.recv())
+            self.computing = plan.step_id
+            self.scheduled[plan.step_id] = [s.request_id for s in plan.scheduled]
             await asyncio.sleep(self.step_s)
             if not self.hung:
                 await self.sock.send(p.encode(self.execute(plan)))

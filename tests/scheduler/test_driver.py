@@ -55,7 +55,7 @@ def test_keeps_depth_plans_in_flight_and_applies_results_oldest_first():
 
 def test_says_when_there_is_nothing_to_plan():
     core = make_core()
-    driver = Driver(core, lambda plan, step, schedule_s: Sent(plan.step_id, StepResult(plan.step_id, [], [])))
+    driver = Driver(core, lambda plan, step, schedule_s: Sent(plan.step_id, StepResult(plan.step_id, [], [])), 2)
     assert driver.step(0.0) is True and not driver.in_flight
 
 

@@ -100,6 +100,18 @@ def test_pipeline_depths_agree_on_outputs(depth):
     assert [r.output_tokens for r in run.records] == [it.output_tokens for it in items]
 
 
+@pytest.mark.parametrize(("profile", "depth"), [("gh200", 2), ("cpu", 1)])
+def test_the_depth_left_unset_is_the_live_one_for_the_profiles_device(profile, depth):
+    """A GPU profile plans ahead as the live scheduler does on a GPU worker; the cpu one plans
+    each step after the previous result, as on a CPU worker."""
+    items = items_of(30, rate=4.0, seed=7)
+    cfg = SchedulerConfig(policy="lvf", max_batched_tokens=2048, max_num_seqs=256)
+    setup = engine.make_setup(load_hardware(profile), MODELS["smollm2"], cfg, "duplex", hbm=60, dram=300)
+    unset, explicit, other = (engine.simulate(items, replace(setup, pipeline_depth=d)) for d in (None, depth, 3 - depth))
+    assert unset.step_end_s == explicit.step_end_s
+    assert unset.step_end_s != other.step_end_s
+
+
 def test_planning_ahead_hides_scheduling_time():
     """Depth 2 builds plan t+1 while t computes: a scheduling cost below the step's compute
     costs nothing; depth 1 pays it every step."""

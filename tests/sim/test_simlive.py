@@ -56,7 +56,7 @@ def test_replay_rederives_every_plan_of_a_simulated_run(policy, monkeypatch):
     run = simlive.simulate(items, PROFILE, setting, POOLS)
     assert policy == "fcfs" or run.stats["num_preemptions"] > 40
     plans = replay.replay_plans(
-        items, [it.arrival_s for it in items], run.step_end_s, setting.scheduler_config(), POOLS
+        items, [it.arrival_s for it in items], run.step_end_s, setting.scheduler_config(), POOLS, setting.pipeline_depth
     )
     assert [n for _, n in plans] == run.step_num_sampled
     assert sum(n for _, n in plans) == sum(it.output_tokens for it in items)
@@ -70,7 +70,7 @@ def test_served_steps_scale_the_step_model_that_priced_them(monkeypatch):
     setting = simlive.Setting(hbm_blocks=POOLS.num_hbm_blocks)
     run = simlive.simulate(items, PROFILE, setting, POOLS)
     plans = replay.replay_plans(
-        items, [it.arrival_s for it in items], run.step_end_s, setting.scheduler_config(), POOLS
+        items, [it.arrival_s for it in items], run.step_end_s, setting.scheduler_config(), POOLS, setting.pipeline_depth
     )
     steps = [{"num_tokens": n, "compute_s": 2.5 * ms / 1e3} for n, ms in zip(run.step_num_sampled, run.compute_ms)]
     samples, same = replay.step_samples(plans, steps)
