@@ -29,6 +29,7 @@ import torch
 SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 ENV_SWITCH = "SUPERINFER_CPU_KERNELS"
+PANEL = 16  # output columns per panel of a packed matmul weight (csrc: PANEL)
 
 log = structlog.get_logger("worker")
 
@@ -46,6 +47,9 @@ class CpuKernels:
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
         self._copy_blocks = _bind(lib.copy_blocks, [_ptr, _ptr, _i64, _ptr, _ptr, _i64])
+        # Absent where the compiler does not target AVX-512 (csrc: small-batch matmul).
+        panels = getattr(lib, "linear_panels_f32", None)
+        self._linear = panels and _bind(panels, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int])
         limits = [_i64() for _ in range(2)]
         lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
         self.max_heads, self.max_head_dim = (x.value for x in limits)
@@ -108,6 +112,29 @@ class CpuKernels:
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, _threads())
         return out
 
+
+    # ------------------------------------------------------------ small-batch matmul
+
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight [N, K] as the matmul kernel reads it, [N / 16, K, 16]; None where the kernel
+        is not built or does not take this weight (N not a multiple of 16)."""
+        if self._linear is None or not self.applies(weight) or weight.shape[0] % PANEL:
+            return None
+        num_out, num_in = weight.shape
+        return weight.reshape(num_out // PANEL, PANEL, num_in).transpose(1, 2).contiguous()
+
+    def linear(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] (rows contiguous) . W^T (+ bias) -> [M, N], W packed by `pack_panels`."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        num_rows, num_in = x.shape
+        num_out = panels.shape[0] * PANEL
+        y = x.new_empty((num_rows, num_out))
+        b = 0 if bias is None else bias.data_ptr()
+        self._linear(
+            x.data_ptr(), x.stride(0), panels.data_ptr(), b, y.data_ptr(), num_out, num_rows, num_out, num_in, _threads()
+        )
+        return y
 
     # ------------------------------------------------------------ KV copies
 

@@ -33,28 +33,44 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 class Linear(nn.Module):
     """y = x @ W^T (+ b), x: [T, in]. Holds W in the layouts its device multiplies fastest.
 
-    Everywhere: a contiguous [in, out] copy, which GEMV streams 10-25% faster than [out, in].
-    CPU: also a copy packed once for oneDNN (as torch.compile's CPU freezing does), used from
-    `GEMV_MAX_ROWS + 1` rows on. Decode at one stream is memory-bound and plain GEMV wins it;
-    batches go to oneDNN. Measured on this project's 2-core x86 machine (AVX-512), the 120
-    layer matmuls of SmolLM2-135M, float32, 2 threads, ms per step (`[in, out]` / packed):
-    1 row 14.7 / 20.9, 2 rows 21.6 / 21.9, 4 rows 24.8 / 23.0, 8 rows 35.0 / 26.0, 16 rows
-    38.6 / 30.6. The price is a second copy of every weight in host memory.
+    CPU float32, where the native kernels are built for AVX-512 (cpu_kernels.py): W in panels
+    of 16 output columns, streamed once per step, for up to `PANEL_MAX_ROWS` rows (decode
+    steps); larger steps (prefill chunks) go to a copy packed once for oneDNN (as torch.compile's
+    CPU freezing does). Elsewhere on the CPU: a contiguous [in, out] copy, which GEMV streams
+    10-25% faster than [out, in], up to `GEMV_MAX_ROWS` rows, oneDNN above. Measured on this
+    project's 2-core x86 machine (AVX-512), the 120 layer matmuls of SmolLM2-135M, float32,
+    2 threads, ms per step (panels / oneDNN / [in, out]): 1 row 19.4 / 28.9 / 19.5, 2 rows
+    19.8 / 28.4 / 25.7, 4 rows 21.1 / 30.9 / 31.3, 8 rows 24.1 / 34.7 / 40.5, 16 rows
+    31.4 / 41.0 / 46.8, 32 rows 43.3 / 55.1 / 53.5, 64 rows 66.5 / 84.8 / 76.2, 128 rows
+    110.6 / 127.0 / 106.8. The price is a second copy of every weight in host memory.
     """
 
+    PANEL_MAX_ROWS = 64
     GEMV_MAX_ROWS = 2
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.bias = None if bias is None else _param(bias)
-        self.weight = _param(weight.t().contiguous())  # [in, out]
         self.packed = _onednn_pack(weight) if weight.device.type == "cpu" else None
+        panels = _panel_pack(weight)
+        self.panels = None if panels is None else _param(panels)
+        # [in, out]: wherever the panels do not replace it.
+        self.weight = _param(weight.t().contiguous()) if panels is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
-        if self.packed is not None and x.shape[0] > self.GEMV_MAX_ROWS:
+        rows = x.shape[0]
+        if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
+            return cpu_kernels.kernels().linear(x, self.panels, self.bias)
+        if self.packed is not None and (rows > self.GEMV_MAX_ROWS or self.weight is None):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+
+def _panel_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [out, in] in the native matmul's panels, or None where that kernel does not apply."""
+    native = cpu_kernels.for_tensor(weight)
+    return None if native is None else native.pack_panels(weight)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:

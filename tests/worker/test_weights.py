@@ -82,18 +82,25 @@ def tiny_checkpoint(tmp_path, arch: str):
 
 
 @pytest.mark.parametrize(
-    "arch, packed", [("llama", True), ("qwen2", True), ("llama3", True), ("llama", False), ("qwen2", False)]
-)
-def test_hf_directory_model_matches_transformers(tmp_path, monkeypatch, arch, packed):
-    """Both families, with weights packed for oneDNN and in the plain [in, out] layout
-    (the path GPUs and torch builds without oneDNN take)."""
-    if packed and model_module._onednn_pack(torch.eye(4)) is None:
+    "arch, layout",
+    [("llama", "panels"), ("qwen2", "panels"), ("llama3", "panels"), ("llama", "onednn"), ("qwen2", "onednn"),
+     ("llama", "plain"), ("qwen2", "plain")],
+)  # fmt: skip
+def test_hf_directory_model_matches_transformers(tmp_path, monkeypatch, arch, layout):
+    """Both families, with weights in the native kernel's panels (AVX-512 machines), packed for
+    oneDNN, and in the plain [in, out] layout (the path GPUs and torch builds without oneDNN take)."""
+    if layout == "panels" and model_module._panel_pack(torch.eye(16)) is None:
+        pytest.skip("no native matmul kernel on this machine (it needs AVX-512)")
+    if layout == "onednn" and model_module._onednn_pack(torch.eye(4)) is None:
         pytest.skip("this torch build has no oneDNN linear")
-    if not packed:
+    if layout != "panels":
+        monkeypatch.setattr(model_module, "_panel_pack", lambda weight: None)
+    if layout == "plain":
         monkeypatch.setattr(model_module, "_onednn_pack", lambda weight: None)
     theirs_model = tiny_checkpoint(tmp_path, arch)
     ours_model, cfg = load_model(tmp_path, "cpu")
-    assert (ours_model.layers[0].qkv.packed is not None) == packed
+    qkv = ours_model.layers[0].qkv
+    assert (qkv.panels is not None, qkv.packed is not None) == (layout == "panels", layout != "plain")
     assert cfg.attention_bias == (arch == "qwen2")
     assert cfg.tie_embeddings == (arch == "qwen2")
     assert cfg.rope_theta == 50000.0
