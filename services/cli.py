@@ -5,7 +5,7 @@
     superinfer queues|top|stats           # what the scheduler is doing (admin socket)
     superinfer abort ID | drain [--undo]  # operator commands (admin token)
     superinfer keys DIR                   # CURVE keys for --zmq-keys (tcp:// off loopback)
-    superinfer bench model|kv|sched|grammar ...   # benchmarks (print numbers, write JSON)
+    superinfer bench model|matmul|kv|sched|grammar ...   # benchmarks (print numbers, write JSON)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from shared import config, zmqsec
 # command imports torch for it (tests/test_layers.py holds both).
 BENCHMARKS = {
     "model": ("bench.micro.model", "our worker vs transformers: prefill tok/s, decode step ms"),
+    "matmul": ("bench.micro.matmul", "the worker's CPU matmul layouts (native panels, oneDNN, [in, out]): ms per step by rows"),
     "kv": ("bench.micro.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
     "sched": ("bench.micro.sched", "time of one LVF scheduling step vs live requests"),
     "grammar": ("bench.micro.grammar", "llguidance vs xgrammar vs outlines-core: schema compile ms, mask ms per step"),

@@ -34,18 +34,19 @@ class Linear(nn.Module):
     """y = x @ W^T (+ b), x: [T, in]. Holds W in the layouts its device multiplies fastest.
 
     CPU float32, where the native kernels are built for AVX-512 (cpu_kernels.py): W in panels
-    of 16 output columns, streamed once per step, for up to `PANEL_MAX_ROWS` rows (decode
-    steps); larger steps (prefill chunks) go to a copy packed once for oneDNN (as torch.compile's
-    CPU freezing does). Elsewhere on the CPU: a contiguous [in, out] copy, which GEMV streams
-    10-25% faster than [out, in], up to `GEMV_MAX_ROWS` rows, oneDNN above. Measured on this
-    project's 2-core x86 machine (AVX-512), the 120 layer matmuls of SmolLM2-135M, float32,
-    2 threads, ms per step (panels / oneDNN / [in, out]): 1 row 19.4 / 28.9 / 19.5, 2 rows
-    19.8 / 28.4 / 25.7, 4 rows 21.1 / 30.9 / 31.3, 8 rows 24.1 / 34.7 / 40.5, 16 rows
-    31.4 / 41.0 / 46.8, 32 rows 43.3 / 55.1 / 53.5, 64 rows 66.5 / 84.8 / 76.2, 128 rows
-    110.6 / 127.0 / 106.8. The price is a second copy of every weight in host memory.
+    of 16 output columns, streamed once per step, for up to `PANEL_MAX_ROWS` rows (decode and
+    mixed steps); larger steps (prefill chunks) go to a copy packed once for oneDNN (as
+    torch.compile's CPU freezing does). Elsewhere on the CPU: a contiguous [in, out] copy, which
+    GEMV streams 10-25% faster than [out, in], up to `GEMV_MAX_ROWS` rows, oneDNN above. Measured
+    on this project's 2-core x86 machine (AVX-512), the 120 layer matmuls of SmolLM2-135M,
+    float32, 2 threads, ms per step, panels / oneDNN / [in, out] (`superinfer bench matmul`,
+    bench/results/matmul_cpu.json): 1 row 18.7 / 26.5 / 17.6, 4 rows 19.9 / 28.4 / 31.0,
+    8 rows 22.9 / 33.9 / 40.6, 16 rows 28.9 / 39.6 / 47.4, 64 rows 72.0 / 89.3 / 88.2,
+    128 rows 125.8 / 137.5 / 131.5, 256 rows 233.6 / 230.4 / 237.3, 512 rows 441.9 / 411.7 /
+    411.4. The price is a second copy of every weight in host memory.
     """
 
-    PANEL_MAX_ROWS = 64
+    PANEL_MAX_ROWS = 128
     GEMV_MAX_ROWS = 2
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
