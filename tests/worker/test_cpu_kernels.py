@@ -54,17 +54,18 @@ def test_silu_and_mul_matches_torch(rows, torch_path):
     torch.testing.assert_close(got, model.silu_and_mul(gate_up.clone()))
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 64, 100])
-@pytest.mark.parametrize("num_out", [48, 576])
-def test_panel_matmul_matches_torch(rows, num_out):
-    """Every row count a step can have (none, row groups of up to 12, a last group shorter), an odd
-    number of 16-column panels, with and without a bias; rows read with a stride (a view)."""
+@pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 25, 64, 100])
+@pytest.mark.parametrize(("num_out", "num_in"), [(48, 96), (576, 96), (48, 300)])
+def test_panel_matmul_matches_torch(rows, num_out, num_in):
+    """Every row count a step can have (none, one row group of up to 12, several, a last group
+    shorter), an odd number of 16-column panels, several blocks of k (300 inputs), with and
+    without a bias; rows read with a stride (a view)."""
     native = cpu_kernels.kernels()
-    weight = torch.randn(num_out, 96, generator=torch.Generator().manual_seed(rows))
+    weight = torch.randn(num_out, num_in, generator=torch.Generator().manual_seed(rows))
     panels = native.pack_panels(weight) if native is not None else None
     if panels is None:
         pytest.skip("no native matmul kernel on this machine (it needs AVX-512)")
-    x = torch.randn(rows, 128)[:, 16:112]  # [rows, 96], rows 128 floats apart
+    x = torch.randn(rows, num_in + 32)[:, 16 : 16 + num_in]  # [rows, num_in], rows further apart
     bias = torch.randn(num_out)
     torch.testing.assert_close(native.linear(x, panels, None), x @ weight.T)
     torch.testing.assert_close(native.linear(x, panels, bias), torch.addmm(bias, x, weight.T))
