@@ -23,7 +23,7 @@ from shared import config, zmqsec
 # command imports torch for it (tests/test_layers.py holds both).
 BENCHMARKS = {
     "model": ("bench.micro.model", "our worker vs transformers: prefill tok/s, decode step ms"),
-    "matmul": ("bench.micro.matmul", "the worker's CPU matmul layouts (native panels, oneDNN, [in, out]): ms per step by rows"),
+    "matmul": ("bench.micro.matmul", "the worker's CPU matmul layouts (panels, oneDNN, [in, out]): ms by rows"),
     "kv": ("bench.micro.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
     "sched": ("bench.micro.sched", "time of one LVF scheduling step vs live requests"),
     "grammar": ("bench.micro.grammar", "llguidance vs xgrammar vs outlines-core: schema compile ms, mask ms per step"),

@@ -119,7 +119,7 @@ def format_table(ms: dict[str, dict[int, float]], rows_list: list[int]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory whose shapes to use (default: bundled)")
+    parser.add_argument("--model", default=None, help="GGUF or HF directory whose shapes to use (default: bundled)")
     parser.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma list of row counts (default {DEFAULT_ROWS})")
     parser.add_argument("--layers", type=int, default=None, help="layers to time (default: the model's)")
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per row count (median quoted)")

@@ -5,7 +5,8 @@ The steps are driven by the live scheduler's own step driver (services/scheduler
 on a virtual clock (`run_clock`): requests arrive at their times, the driver keeps
 `--pipeline-depth` plans at the worker (by default the live server's for the profile's
 device: 2 on a GPU profile, where plan t+1 is built while t computes, so a step stalls only
-if scheduling takes longer; 1 on a cpu profile, planning each step after the previous result), and a result, synthesized (one token for every request whose scheduled
+if scheduling takes longer; 1 on a cpu profile, planning each step after the previous
+result), and a result, synthesized (one token for every request whose scheduled
 tokens reach the end of its known tokens), is applied when the cost model (bench/sim/costmodel.py)
 says its step ends. A request that arrives while a step computes is planned at once if the
 pipeline has room, as the live loop plans after every message. Fed a live run's arrivals

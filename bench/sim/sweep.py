@@ -232,7 +232,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         choices=PIPELINE_DEPTHS,
         default=None,
-        help="plans in flight, as the live scheduler's --pipeline-depth (default: the live one for the profile's device)",
+        help="plans in flight, as the live scheduler's --pipeline-depth (default: the live one for the device)",
     )
     p.add_argument("--check-invariants", action="store_true", help="check the core's invariants every step")
     p.add_argument("--seed", type=int, default=0)

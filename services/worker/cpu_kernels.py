@@ -132,8 +132,9 @@ class CpuKernels:
         y = x.new_empty((num_rows, num_out))
         b = 0 if bias is None else bias.data_ptr()
         self._linear(
-            x.data_ptr(), x.stride(0), panels.data_ptr(), b, y.data_ptr(), num_out, num_rows, num_out, num_in, _threads()
-        )
+            x.data_ptr(), x.stride(0), panels.data_ptr(), b, y.data_ptr(), num_out,
+            num_rows, num_out, num_in, _threads(),
+        )  # fmt: skip
         return y
 
     # ------------------------------------------------------------ KV copies

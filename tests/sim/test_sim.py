@@ -107,7 +107,9 @@ def test_the_depth_left_unset_is_the_live_one_for_the_profiles_device(profile, d
     items = items_of(30, rate=4.0, seed=7)
     cfg = SchedulerConfig(policy="lvf", max_batched_tokens=2048, max_num_seqs=256)
     setup = engine.make_setup(load_hardware(profile), MODELS["smollm2"], cfg, "duplex", hbm=60, dram=300)
-    unset, explicit, other = (engine.simulate(items, replace(setup, pipeline_depth=d)) for d in (None, depth, 3 - depth))
+    unset, explicit, other = (
+        engine.simulate(items, replace(setup, pipeline_depth=d)) for d in (None, depth, 3 - depth)
+    )
     assert unset.step_end_s == explicit.step_end_s
     assert unset.step_end_s != other.step_end_s
 
