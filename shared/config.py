@@ -41,7 +41,7 @@ def default_pipeline_depth(on_cpu: bool) -> int:
     its swap-ins must be ready before t ends); 1 where the host's cores compute. There a step
     takes 30-110 ms against a ~1 ms round trip for the next plan, and a plan built a step
     early keeps every request that arrives during step t out of step t+1: one more step of
-    TTFT for each, to save that millisecond (measured: README, "Benchmarks")."""
+    TTFT for each, to save that millisecond (measured: README, "Scheduling and memory knobs")."""
     return 1 if on_cpu else 2
 
 
