@@ -6,6 +6,7 @@ sizes, so the bytes read per step are the model's) at each row count, in every l
 worker's `Linear` can hold (services/worker/model.py):
 
 - `panels`: the native kernel's 16-column panels (AVX-512 machines only);
+- `bf16x3`: the native AMX kernel's split bfloat16 tiles (machines with AMX only);
 - `onednn`: the copy packed once for oneDNN;
 - `in_out`: a contiguous [in, out] copy multiplied by torch (MKL's GEMM/GEMV).
 
@@ -54,6 +55,9 @@ def layouts(weights: list[torch.Tensor]) -> dict[str, Callable[[list[torch.Tenso
     panels = [native.pack_panels(w) for w in weights] if native is not None else []
     if panels and all(p is not None for p in panels):
         out["panels"] = lambda xs: [native.linear(x, p, None) for x, p in zip(xs, panels)]
+    tiles = [native.pack_bf16x3(w) for w in weights] if native is not None else []
+    if tiles and all(t is not None for t in tiles):
+        out["bf16x3"] = lambda xs: [native.linear_bf16x3(x, t, None) for x, t in zip(xs, tiles)]
     packed = [_onednn_pack(w) for w in weights]
     if all(p is not None for p in packed):
         linear = torch.ops.mkldnn._linear_pointwise

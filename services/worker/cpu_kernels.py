@@ -30,6 +30,7 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 ENV_SWITCH = "SUPERINFER_CPU_KERNELS"
 PANEL = 16  # output columns per panel of a packed matmul weight (csrc: PANEL)
+AMX_N, AMX_K = 16, 32  # output columns and inputs per tile of the AMX matmul's weight (csrc: AMX_N, AMX_K)
 
 log = structlog.get_logger("worker")
 
@@ -50,6 +51,12 @@ class CpuKernels:
         # Absent where the compiler does not target AVX-512 (csrc: small-batch matmul).
         panels = getattr(lib, "linear_panels_f32", None)
         self._linear = panels and _bind(panels, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int])
+        # Absent where the compiler does not target AMX; unused where the OS refuses its state.
+        amx = getattr(lib, "linear_amx_bf16x3", None)
+        self._amx = None
+        if amx is not None and lib.amx_enable():
+            self._amx = _bind(amx, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int], restype=c_int)
+            self._pack_amx = _bind(lib.pack_bf16x3, [_ptr, _i64, _i64, _ptr])
         limits = [_i64() for _ in range(2)]
         lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
         self.max_heads, self.max_head_dim = (x.value for x in limits)
@@ -137,6 +144,36 @@ class CpuKernels:
         )  # fmt: skip
         return y
 
+    # ------------------------------------------------------------ prefill matmul (AMX, bf16x3)
+
+    def pack_bf16x3(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight [N, K] as the AMX kernel reads it: [N / 16, K / 32, 2, 16, 32] bfloat16, each
+        value's high and low bfloat16 parts (4 bytes a weight, as float32); None where the kernel
+        is not built or usable here, or does not take this shape (N % 16, K % 32)."""
+        if self._amx is None or not self.applies(weight) or weight.shape[0] % AMX_N or weight.shape[1] % AMX_K:
+            return None
+        num_out, num_in = weight.shape
+        weight = weight.contiguous()
+        packed = torch.empty((num_out // AMX_N, num_in // AMX_K, 2, AMX_N, AMX_K), dtype=torch.bfloat16)
+        self._pack_amx(weight.data_ptr(), num_out, num_in, packed.data_ptr())
+        return packed
+
+    def linear_bf16x3(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] (rows contiguous) . W^T (+ bias) -> [M, N] float32, W packed by `pack_bf16x3`."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        num_rows, num_in = x.shape
+        num_out = packed.shape[0] * AMX_N
+        y = x.new_empty((num_rows, num_out))
+        b = 0 if bias is None else bias.data_ptr()
+        failed = self._amx(
+            x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), num_out,
+            num_rows, num_out, num_in, _threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError(f"no memory for the split copy of a [{num_rows}, {num_in}] matmul input")
+        return y
+
     # ------------------------------------------------------------ KV copies
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> None:
@@ -148,8 +185,8 @@ class CpuKernels:
         self._copy_blocks(src.data_ptr(), dst.data_ptr(), block_bytes, ids, ctypes.addressof(ids) + 8 * num, num)
 
 
-def _bind(fn, argtypes: list) -> Callable:
-    fn.restype, fn.argtypes = None, argtypes
+def _bind(fn, argtypes: list, restype=None) -> Callable:
+    fn.restype, fn.argtypes = restype, argtypes
     return fn
 
 

@@ -33,26 +33,32 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 class Linear(nn.Module):
     """y = x @ W^T (+ b), x: [T, in]. Holds W in the layouts its device multiplies fastest.
 
-    CPU float32, where the native kernels are built for AVX-512 (cpu_kernels.py): W in panels
-    of 16 output columns, streamed once per step, for up to `PANEL_MAX_ROWS` rows (decode and
-    mixed steps); larger steps (prefill chunks) go to a copy packed once for oneDNN (as
-    torch.compile's CPU freezing does). Elsewhere on the CPU: a contiguous [in, out] copy, which
-    GEMV streams 10-25% faster than [out, in], up to `GEMV_MAX_ROWS` rows, oneDNN above. Measured
-    on this project's 2-core x86 machine (AVX-512), the 120 layer matmuls of SmolLM2-135M,
-    float32, 2 threads, ms per step, panels / oneDNN / [in, out] (`superinfer bench matmul`,
-    bench/results/matmul_cpu.json): 1 row 18.7 / 26.5 / 17.6, 4 rows 19.9 / 28.4 / 31.0,
-    8 rows 22.9 / 33.9 / 40.6, 16 rows 28.9 / 39.6 / 47.4, 64 rows 72.0 / 89.3 / 88.2,
-    128 rows 125.8 / 137.5 / 131.5, 256 rows 233.6 / 230.4 / 237.3, 512 rows 441.9 / 411.7 /
-    411.4. The price is a second copy of every weight in host memory.
+    CPU float32, where the native kernels are built (cpu_kernels.py):
+    - AVX-512: W in panels of 16 output columns, streamed once per step, for decode steps of a
+      few rows (up to `PANEL_MAX_ROWS`, or below `TILES_MIN_ROWS` where AMX tiles are held);
+    - AMX: W split into high and low bfloat16 parts in the tile unit's layout (bf16x3, float32
+      accuracy less a few bits, csrc) for steps of `TILES_MIN_ROWS` rows and more: prefill
+      chunks and wide decode steps;
+    - larger steps elsewhere: a copy packed once for oneDNN (as torch.compile's CPU freezing does).
+    Without the kernels: a contiguous [in, out] copy, which GEMV streams 10-25% faster than
+    [out, in], up to `GEMV_MAX_ROWS` rows, oneDNN above. Measured on this project's 2-core x86
+    machine (AVX-512, AMX), the 120 layer matmuls of SmolLM2-135M, float32, 2 threads, ms per
+    step, panels / bf16x3 / oneDNN / [in, out] (`superinfer bench matmul`,
+    bench/results/matmul_cpu.json): 1 row 24.8 / 26.5 / 30.1 / 20.7, 8 rows 28.4 / 28.9 / 36.9 /
+    43.6, 16 rows 39.2 / 31.1 / 44.5 / 50.4, 64 rows 96.3 / 72.1 / 103.6 / 105.9, 512 rows
+    541.1 / 332.9 / 525.2 / 530.4. The price is a second copy of every weight in host memory.
     """
 
     PANEL_MAX_ROWS = 128
+    TILES_MIN_ROWS = 16
     GEMV_MAX_ROWS = 2
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.bias = None if bias is None else _param(bias)
-        self.packed = _onednn_pack(weight) if weight.device.type == "cpu" else None
+        tiles = _tiles_pack(weight)
+        self.tiles = None if tiles is None else _param(tiles)
+        self.packed = _onednn_pack(weight) if weight.device.type == "cpu" and tiles is None else None
         panels = _panel_pack(weight)
         self.panels = None if panels is None else _param(panels)
         # [in, out]: wherever the panels do not replace it.
@@ -61,6 +67,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
         rows = x.shape[0]
+        if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
+            return cpu_kernels.kernels().linear_bf16x3(x, self.tiles, self.bias)
         if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
             return cpu_kernels.kernels().linear(x, self.panels, self.bias)
         if self.packed is not None and (rows > self.GEMV_MAX_ROWS or self.weight is None):
@@ -72,6 +80,12 @@ def _panel_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [out, in] in the native matmul's panels, or None where that kernel does not apply."""
     native = cpu_kernels.for_tensor(weight)
     return None if native is None else native.pack_panels(weight)
+
+
+def _tiles_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [out, in] in the AMX matmul's bf16x3 tiles, or None where that kernel does not apply."""
+    native = cpu_kernels.for_tensor(weight)
+    return None if native is None else native.pack_bf16x3(weight)
 
 
 def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:

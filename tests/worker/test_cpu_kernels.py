@@ -71,3 +71,35 @@ def test_panel_matmul_matches_torch(rows, num_out, num_in):
     close = dict(rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(native.linear(x, panels, None), x @ weight.T, **close)
     torch.testing.assert_close(native.linear(x, panels, bias), torch.addmm(bias, x, weight.T), **close)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 33, 64, 100])
+@pytest.mark.parametrize(("num_out", "num_in"), [(48, 96), (64, 96), (576, 1536)])
+def test_bf16x3_matmul_is_float32_accurate(rows, num_out, num_in):
+    """The AMX kernel against float64: within a few parts in a million, as float32 is (a single
+    bfloat16 product would be ~1e-3 off). Row counts below, at and across its 16- and 32-row
+    tiles, an odd number of 16-column blocks (48), many blocks of 32 inputs (1536), with and
+    without a bias, rows read with a stride."""
+    native = cpu_kernels.kernels()
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(num_out, num_in, generator=gen)
+    tiles = native.pack_bf16x3(weight) if native is not None else None
+    if tiles is None:
+        pytest.skip("no AMX matmul kernel on this machine")
+    x = torch.randn(rows, num_in + 32, generator=gen)[:, 16 : 16 + num_in]
+    bias = torch.randn(num_out, generator=gen)
+    for b in (None, bias):
+        want = x.double() @ weight.double().T + (0 if b is None else b.double())
+        got = native.linear_bf16x3(x, tiles, b)
+        assert got.dtype == torch.float32 and got.shape == (rows, num_out)
+        if rows:
+            # relative to the output's scale (~sqrt(num_in)); float32 itself is ~5e-7 off here
+            assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-5
+
+
+def test_bf16x3_refuses_shapes_its_tiles_do_not_cover():
+    native = cpu_kernels.kernels()
+    if native is None or native.pack_bf16x3(torch.eye(32)) is None:
+        pytest.skip("no AMX matmul kernel on this machine")
+    assert native.pack_bf16x3(torch.randn(40, 64)) is None  # 40 outputs: not whole 16-column tiles
+    assert native.pack_bf16x3(torch.randn(48, 80)) is None  # 80 inputs: not whole 32-input tiles

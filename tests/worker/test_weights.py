@@ -83,24 +83,35 @@ def tiny_checkpoint(tmp_path, arch: str):
 
 @pytest.mark.parametrize(
     "arch, layout",
-    [("llama", "panels"), ("qwen2", "panels"), ("llama3", "panels"), ("llama", "onednn"), ("qwen2", "onednn"),
-     ("llama", "plain"), ("qwen2", "plain")],
+    [("llama", "tiles"), ("qwen2", "tiles"), ("llama", "panels"), ("qwen2", "panels"), ("llama3", "panels"),
+     ("llama", "onednn"), ("qwen2", "onednn"), ("llama", "plain"), ("qwen2", "plain")],
 )  # fmt: skip
 def test_hf_directory_model_matches_transformers(tmp_path, monkeypatch, arch, layout):
-    """Both families, with weights in the native kernel's panels (AVX-512 machines), packed for
-    oneDNN, and in the plain [in, out] layout (the path GPUs and torch builds without oneDNN take)."""
+    """Both families, with weights in the AMX kernel's bf16x3 tiles (prefill) beside the panels
+    (decode), in the native kernel's panels beside a oneDNN copy (AVX-512 machines), packed for
+    oneDNN alone, and in the plain [in, out] layout (the path GPUs and torch builds without
+    oneDNN take)."""
+    if layout == "tiles" and model_module._tiles_pack(torch.eye(32)) is None:
+        pytest.skip("no AMX matmul kernel on this machine")
     if layout == "panels" and model_module._panel_pack(torch.eye(16)) is None:
         pytest.skip("no native matmul kernel on this machine (it needs AVX-512)")
     if layout == "onednn" and model_module._onednn_pack(torch.eye(4)) is None:
         pytest.skip("this torch build has no oneDNN linear")
-    if layout != "panels":
+    if layout != "tiles":
+        monkeypatch.setattr(model_module, "_tiles_pack", lambda weight: None)
+    if layout not in ("tiles", "panels"):
         monkeypatch.setattr(model_module, "_panel_pack", lambda weight: None)
     if layout == "plain":
         monkeypatch.setattr(model_module, "_onednn_pack", lambda weight: None)
     theirs_model = tiny_checkpoint(tmp_path, arch)
     ours_model, cfg = load_model(tmp_path, "cpu")
     qkv = ours_model.layers[0].qkv
-    assert (qkv.panels is not None, qkv.packed is not None) == (layout == "panels", layout != "plain")
+    held = {"tiles": qkv.tiles is not None, "panels": qkv.panels is not None, "onednn": qkv.packed is not None}
+    assert held == {
+        "tiles": layout == "tiles",
+        "panels": layout in ("tiles", "panels"),
+        "onednn": layout in ("panels", "onednn"),
+    }
     assert cfg.attention_bias == (arch == "qwen2")
     assert cfg.tie_embeddings == (arch == "qwen2")
     assert cfg.rope_theta == 50000.0
