@@ -25,8 +25,9 @@ def config_flags(g) -> None:
         names = ["--" + f.name.replace("_", "-")] + ([VLLM_NAMES[f.name]] if f.name in VLLM_NAMES else [])
         if isinstance(f.default, bool):
             g.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default, **f.metadata)
-        else:
-            g.add_argument(*names, type=type(f.default), default=f.default, **f.metadata)
+        else:  # a field whose default is None names its type
+            kw = {"type": type(f.default), **f.metadata}
+            g.add_argument(*names, default=f.default, **kw)
 
 
 def model_args(p: argparse.ArgumentParser) -> None:

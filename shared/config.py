@@ -45,6 +45,16 @@ def default_pipeline_depth(on_cpu: bool) -> int:
     return 1 if on_cpu else 2
 
 
+def default_mirror_watermark(on_cpu: bool) -> float:
+    """From what share of the HBM blocks in use LVF mirrors synced blocks to DRAM (eager
+    rotation). 0, always, where a GPU's copy engine moves them beside the compute; 0.5 where
+    the host's cores compute: there a mirror is a memcpy on the cores the forward runs on, and
+    mirroring every prompt's blocks with no preemption in sight stretched 16-stream prefill
+    steps from ~400 to ~950 ms (README, "Scheduling and memory knobs"). From half the pool a
+    preemption is still far enough off for the mirrors to be made in time."""
+    return 0.5 if on_cpu else 0.0
+
+
 # ---------------------------------------------------------------- KV geometry
 # The scheduler's other knobs live in services/scheduler/core/config.py (SchedulerConfig).
 

@@ -182,7 +182,8 @@ class InFlight:
 
 
 def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
-    cfg, hw, model = setup.cfg, setup.hardware, setup.model
+    hw, model = setup.hardware, setup.model
+    cfg = setup.cfg.for_device(on_cpu=not hw.pipeline)
     max_model_len = min(model.max_position, setup.num_hbm_blocks * cfg.block_size)
     predictor = noisy_predictor(items, setup.predictor_noise)
     core = SchedulerCore(cfg, setup.num_hbm_blocks, setup.num_dram_blocks, max_model_len, predictor=predictor)

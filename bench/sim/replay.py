@@ -128,7 +128,8 @@ def replay_plans(
     it, and plans once per tick after its updates (results closer than `TICK_S` came in one
     tick), `SCHEDULE_LAG_S` later. Times are epoch seconds; only their order and spacing
     matter."""
-    core = SchedulerCore(cfg, pools.num_hbm_blocks, pools.num_dram_blocks, pools.max_model_len)
+    # the live server's scheduler, with its CPU worker's defaults
+    core = SchedulerCore(cfg.for_device(on_cpu=True), pools.num_hbm_blocks, pools.num_dram_blocks, pools.max_model_len)
     num_samples = [0] * len(items)
     plans: list[tuple[StepWork, int]] = []
 

@@ -297,9 +297,10 @@ class SchedulerService:
         self.observer.block_bytes = ready.block_bytes
         self.observer.metrics.exposed.model_name = ready.model_name
         # The worker owns the KV layout, so its block size wins.
-        cfg = dataclasses.replace(self.cfg, block_size=ready.block_size)
+        on_cpu = ready.device.startswith("cpu")
+        cfg = dataclasses.replace(self.cfg, block_size=ready.block_size).for_device(on_cpu)
         core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len, ready.model_name)
-        depth = self.pipeline_depth or config.default_pipeline_depth(on_cpu=ready.device.startswith("cpu"))
+        depth = self.pipeline_depth or config.default_pipeline_depth(on_cpu=on_cpu)
         self.driver = Driver(core, self._send_plan, depth, time.perf_counter)
         self.step_times.clear()
         self.log.info(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 
-from shared.config import DEFAULT_BLOCK_SIZE
+from shared.config import DEFAULT_BLOCK_SIZE, default_mirror_watermark
 
 POLICIES = ("lvf", "fcfs", "sf", "wf", "trtllm", "lightllm", "ltr", "edf")
 SWAPPING = ("lvf", "sf", "wf")  # the others preempt by recompute (trtllm never preempts)
@@ -64,6 +64,13 @@ class SchedulerConfig:
         "lvf: mirror running requests' synced KV blocks to DRAM ahead of preemption, so that a "
         "preemption copies little (default %(default)s)",
     )
+    mirror_watermark: float | None = _flag(
+        None,
+        "lvf: mirror only while the scheduled requests' KV passes this share of the HBM blocks (default: "
+        "0, always, with a GPU worker, whose copy engine is idle otherwise; 0.5 with a CPU worker, whose "
+        "copies take the cores' time)",
+        type=float,
+    )
     reserve_full_prompt: bool = _flag(
         True,
         "admit a paused request only with HBM room for all its known tokens, not just the chunk it "
@@ -117,6 +124,8 @@ class SchedulerConfig:
             raise ValueError("min_residency_s must be >= 0")
         if not 0 <= self.admit_watermark < 1:
             raise ValueError("admit_watermark must be in [0, 1)")
+        if self.mirror_watermark is not None and not 0 <= self.mirror_watermark <= 1:
+            raise ValueError("mirror_watermark must be in [0, 1]")
         if self.max_waiting < 0 or self.max_waiting_tokens < 0:
             raise ValueError("max_waiting and max_waiting_tokens must be >= 0")
 
@@ -146,5 +155,12 @@ class SchedulerConfig:
 
     @property
     def mirrors(self) -> bool:
-        """Whether synced blocks are mirrored to DRAM ahead of preemption."""
+        """Whether synced blocks are mirrored to DRAM ahead of preemption (above the
+        `mirror_watermark`)."""
         return self.policy == "lvf" and self.eager_rotation
+
+    def for_device(self, on_cpu: bool) -> SchedulerConfig:
+        """This config with the knobs left to the worker's device set for it."""
+        if self.mirror_watermark is not None:
+            return self
+        return replace(self, mirror_watermark=default_mirror_watermark(on_cpu))

@@ -199,7 +199,7 @@ class SchedulerCore:
             BASELINE_STEPS[cfg.policy](self, step)
         else:
             schedule_fcfs(self, step)
-        if cfg.mirrors:
+        if cfg.mirrors and self.num_demand_blocks > (cfg.mirror_watermark or 0.0) * memory.hbm.num_blocks:
             memory.mirror(self.running.values(), step)
         for req in step.scheduled:
             self._track_demand(req)
