@@ -190,6 +190,29 @@ def test_eager_mirrors_only_synced_blocks_within_budget():
     assert d.step().eager == []
 
 
+def test_mirrors_start_past_the_watermark_of_hbm_in_use():
+    """A CPU worker's default (0.5): a request holding 9 of 64 HBM blocks is not mirrored;
+    once three more bring the blocks in use to 39, the next plans mirror its synced blocks.
+    None (a core built without a device, the simulator's GPUs) mirrors from the first synced
+    block."""
+    assert SchedulerConfig().for_device(on_cpu=True).mirror_watermark == 0.5
+    assert SchedulerConfig().for_device(on_cpu=False).mirror_watermark == 0.0
+    assert SchedulerConfig(mirror_watermark=0.2).for_device(on_cpu=True).mirror_watermark == 0.2
+    core = make_core("lvf", num_hbm=64, num_dram=64, block_size=4, mirror_watermark=0.5)
+    d = Driver(core)
+    add(core, "a", 30, 40)
+    assert not any(d.step().eager for _ in range(4))  # 9 of 64 blocks in use
+    for rid in "bcd":
+        add(core, rid, 40, 10, now=d.now)
+    eager = [h for _ in range(6) for h, _ in d.step().eager]
+    assert set(core.requests["a"].hbm_blocks[:7]) <= set(eager)
+    core = make_core("lvf", num_hbm=64, num_dram=64, block_size=4)
+    d = Driver(core)
+    add(core, "a", 30, 10)
+    d.step()
+    assert d.step().eager
+
+
 def rotate_one(policy):
     """a, b, c fill HBM; c is swapped out when they grow; then d arrives and a finishes:
     who gets a's blocks first?"""

@@ -87,7 +87,9 @@ def test_chunked_prefill_equals_one_shot(make_runner, chat_prompts):
         ids, _ = chunked.execute([ScheduledRequest("a", start, end - start, block_table=table_once)])
         assert ids == (["a"] if end == n else [])
     cached = slice(0, blocks_for(n))
-    torch.testing.assert_close(chunked.kv_pool[cached], one.kv_pool[cached], atol=1e-4, rtol=1e-4)
+    # Chunks of 7 and 16+ rows take different matmul kernels (csrc: float32 panels, AMX bf16x3,
+    # ~1e-5 apart per product): after 30 layers a few K/V values are ~2e-4 apart.
+    torch.testing.assert_close(chunked.kv_pool[cached], one.kv_pool[cached], atol=5e-4, rtol=1e-3)
     for runner in (one, chunked):
         for _ in range(8):
             runner.execute(_decodes(runner, ["a"]))
