@@ -44,9 +44,9 @@ class Linear(nn.Module):
     [out, in], up to `GEMV_MAX_ROWS` rows, oneDNN above. Measured on this project's 2-core x86
     machine (AVX-512, AMX), the 120 layer matmuls of SmolLM2-135M, float32, 2 threads, ms per
     step, panels / bf16x3 / oneDNN / [in, out] (`superinfer bench matmul`,
-    bench/results/matmul_cpu.json): 1 row 24.8 / 26.5 / 30.1 / 20.7, 8 rows 28.4 / 28.9 / 36.9 /
-    43.6, 16 rows 39.2 / 31.1 / 44.5 / 50.4, 64 rows 96.3 / 72.1 / 103.6 / 105.9, 512 rows
-    541.1 / 332.9 / 525.2 / 530.4. The price is a second copy of every weight in host memory.
+    bench/results/matmul_cpu.json): 1 row 20.9 / 22.2 / 28.0 / 19.0, 8 rows 23.8 / 23.8 / 35.3 /
+    41.5, 16 rows 34.5 / 26.8 / 44.1 / 52.1, 64 rows 75.9 / 50.3 / 92.1 / 91.0, 512 rows
+    540.1 / 319.8 / 507.7 / 506.4. The price is a second copy of every weight in host memory.
     """
 
     PANEL_MAX_ROWS = 128
