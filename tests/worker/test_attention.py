@@ -103,6 +103,7 @@ def test_cpu_kernel_builds_here():
     "block_size, num_kv, group, head_dim, context",
     [
         (16, 3, 3, 64, [1, 16, 17, 77]),  # SmolLM2
+        (32, 3, 3, 64, [1, 20, 32, 33, 95]),  # SmolLM2 in 32-token blocks: 16 keys scored at a time, and a rest
         (32, 1, 8, 128, [1, 32, 33, 157]),  # MQA
         (4, 2, 1, 8, [1, 4, 5, 17]),  # MHA
         (64, 8, 5, 128, [1, 64, 65, 317]),  # Qwen2.5-32B
