@@ -86,3 +86,15 @@ def test_max_model_len_shortens_the_context_window_but_never_extends_it():
     for bad in (0, cfg.max_position + 1):
         with pytest.raises(ValueError, match="--max-model-len"):
             max_model_len(cfg, bad)
+
+
+def test_a_knob_the_worker_device_decides_reaches_the_scheduler_only_when_given():
+    """--mirror-watermark is unset unless given (the scheduler picks it for the worker's
+    device); given, it is a number passed on to the scheduler."""
+    assert serve().mirror_watermark is None
+    assert child_argv(serve(), flags.scheduler_args) == []
+    args = serve("--mirror-watermark", "0.3")
+    assert args.mirror_watermark == 0.3
+    assert child_argv(args, flags.scheduler_args) == ["--mirror-watermark", "0.3"]
+    with pytest.raises(SystemExit):
+        serve("--mirror-watermark", "half")
