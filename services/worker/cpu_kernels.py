@@ -132,17 +132,7 @@ class CpuKernels:
 
     def linear(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] (rows contiguous) . W^T (+ bias) -> [M, N], W packed by `pack_panels`."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        num_rows, num_in = x.shape
-        num_out = panels.shape[0] * PANEL
-        y = x.new_empty((num_rows, num_out))
-        b = 0 if bias is None else bias.data_ptr()
-        self._linear(
-            x.data_ptr(), x.stride(0), panels.data_ptr(), b, y.data_ptr(), num_out,
-            num_rows, num_out, num_in, _threads(),
-        )  # fmt: skip
-        return y
+        return _linear(self._linear, x, panels, panels.shape[0] * PANEL, bias)
 
     # ------------------------------------------------------------ prefill matmul (AMX, bf16x3)
 
@@ -160,19 +150,7 @@ class CpuKernels:
 
     def linear_bf16x3(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] (rows contiguous) . W^T (+ bias) -> [M, N] float32, W packed by `pack_bf16x3`."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        num_rows, num_in = x.shape
-        num_out = packed.shape[0] * AMX_N
-        y = x.new_empty((num_rows, num_out))
-        b = 0 if bias is None else bias.data_ptr()
-        failed = self._amx(
-            x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), num_out,
-            num_rows, num_out, num_in, _threads(),
-        )  # fmt: skip
-        if failed:
-            raise MemoryError(f"no memory for the split copy of a [{num_rows}, {num_in}] matmul input")
-        return y
+        return _linear(self._amx, x, packed, packed.shape[0] * AMX_N, bias)
 
     # ------------------------------------------------------------ KV copies
 
@@ -183,6 +161,23 @@ class CpuKernels:
         ids = (_i64 * (2 * num))(*src_ids, *dst_ids)
         block_bytes = src[0].numel() * src.element_size()
         self._copy_blocks(src.data_ptr(), dst.data_ptr(), block_bytes, ids, ctypes.addressof(ids) + 8 * num, num)
+
+
+def _linear(kernel, x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x . W^T (+ bias) through a native matmul taking (x, ldx, W, bias, y, ldy, M, N, K,
+    threads); a kernel that returns nonzero could not allocate its scratch."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_rows, num_in = x.shape
+    y = x.new_empty((num_rows, num_out))
+    b = 0 if bias is None else bias.data_ptr()
+    failed = kernel(
+        x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), num_out,
+        num_rows, num_out, num_in, _threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"no memory for the scratch of a [{num_rows}, {num_in}] matmul input")
+    return y
 
 
 def _bind(fn, argtypes: list, restype=None) -> Callable:

@@ -375,6 +375,13 @@ void linear_panels_f32(const float *x, int64_t ldx, const float *w, const float 
 #define AMX_K 32    /* bfloat16 inputs per A tile row (64 bytes) */
 #define AMX_N 16    /* float32 columns per C tile */
 #define AMX_TILE_ELEMS (AMX_ROWS * AMX_K)
+/* C tile c += A.B in bf16x3: the two small terms first (tile numbers are immediates, hence a macro) */
+#define DP_BF16X3(c, ah, al, bh, bl) \
+    do {                             \
+        _tile_dpbf16ps(c, al, bh);   \
+        _tile_dpbf16ps(c, ah, bl);   \
+        _tile_dpbf16ps(c, ah, bh);   \
+    } while (0)
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -446,13 +453,8 @@ static inline void amx_item(const uint16_t *xh, const uint16_t *xl, int64_t K, c
             _tile_loadd(6, b1, 64);
             _tile_loadd(7, b1 + AMX_TILE_ELEMS, 64);
         }
-        /* the small terms first; the two accumulators' chains interleaved */
-        _tile_dpbf16ps(0, 3, 4);
-        if (two) _tile_dpbf16ps(1, 3, 6);
-        _tile_dpbf16ps(0, 2, 5);
-        if (two) _tile_dpbf16ps(1, 2, 7);
-        _tile_dpbf16ps(0, 2, 4);
-        if (two) _tile_dpbf16ps(1, 2, 6);
+        DP_BF16X3(0, 2, 3, 4, 5);
+        if (two) DP_BF16X3(1, 2, 3, 6, 7);
     }
     _tile_stored(0, c0, AMX_N * 4);
     if (two) _tile_stored(1, c1, AMX_N * 4);
@@ -473,24 +475,16 @@ static inline void amx_item_2x2(const uint16_t *xh, const uint16_t *xl, int64_t 
         _tile_loadd(5, xl + kb * AMX_K, K * 2);
         _tile_loadd(6, b0, 64);
         _tile_loadd(7, b0 + AMX_TILE_ELEMS, 64);
-        _tile_dpbf16ps(0, 5, 6);
-        _tile_dpbf16ps(0, 4, 7);
-        _tile_dpbf16ps(0, 4, 6);
+        DP_BF16X3(0, 4, 5, 6, 7);
         _tile_loadd(6, b1, 64);
         _tile_loadd(7, b1 + AMX_TILE_ELEMS, 64);
-        _tile_dpbf16ps(1, 5, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(1, 4, 6);
+        DP_BF16X3(1, 4, 5, 6, 7);
         _tile_loadd(4, xh + next_rows + kb * AMX_K, K * 2);
         _tile_loadd(5, xl + next_rows + kb * AMX_K, K * 2);
-        _tile_dpbf16ps(3, 5, 6);
-        _tile_dpbf16ps(3, 4, 7);
-        _tile_dpbf16ps(3, 4, 6);
+        DP_BF16X3(3, 4, 5, 6, 7);
         _tile_loadd(6, b0, 64);
         _tile_loadd(7, b0 + AMX_TILE_ELEMS, 64);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(2, 4, 6);
+        DP_BF16X3(2, 4, 5, 6, 7);
     }
     _tile_stored(0, c, AMX_N * 4);
     _tile_stored(1, c + AMX_ROWS * AMX_N, AMX_N * 4);
