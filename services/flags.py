@@ -23,8 +23,9 @@ def config_flags(g) -> None:
     (a bool as `--field-name`/`--no-field-name`)."""
     for f in SchedulerConfig.flag_fields():
         names = ["--" + f.name.replace("_", "-")] + ([VLLM_NAMES[f.name]] if f.name in VLLM_NAMES else [])
-        if isinstance(f.default, bool):
-            g.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default, **f.metadata)
+        if isinstance(f.default, bool) or f.metadata.get("type") is bool:
+            kw = {k: v for k, v in f.metadata.items() if k != "type"}  # a bool whose default is None names it
+            g.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default, **kw)
         else:  # a field whose default is None names its type
             kw = {"type": type(f.default), **f.metadata}
             g.add_argument(*names, default=f.default, **kw)

@@ -55,6 +55,17 @@ def default_mirror_watermark(on_cpu: bool) -> float:
     return 0.5 if on_cpu else 0.0
 
 
+def default_slo_chunking(on_cpu: bool) -> bool:
+    """Whether LVF caps a step's prefill tokens to keep its decodes within the TBT SLO. On where
+    a GPU decodes: a decode step there takes a fraction of the SLO, a prefill chunk beside it
+    can make it miss, and capping the chunk keeps every gap in (the simulator, `gh200`,
+    Qwen2.5-32B, ShareGPT at 20 req/s: README, "Scheduling and memory knobs"). Off where the
+    host's cores compute: a CPU decode step takes most of the SLO by itself, so the cap leaves
+    prompts a few tokens a step and each step's fixed cost is paid many times (measured live:
+    8 streams 79 -> 63 tok/s, ShareGPT TBT gaps 94 -> 71%)."""
+    return not on_cpu
+
+
 # ---------------------------------------------------------------- KV geometry
 # The scheduler's other knobs live in services/scheduler/core/config.py (SchedulerConfig).
 

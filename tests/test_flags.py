@@ -89,8 +89,8 @@ def test_max_model_len_shortens_the_context_window_but_never_extends_it():
 
 
 def test_a_knob_the_worker_device_decides_reaches_the_scheduler_only_when_given():
-    """--mirror-watermark is unset unless given (the scheduler picks it for the worker's
-    device); given, it is a number passed on to the scheduler."""
+    """--mirror-watermark and --slo-chunking are unset unless given (the scheduler picks them
+    for the worker's device); given, they are passed on to the scheduler."""
     assert serve().mirror_watermark is None
     assert child_argv(serve(), flags.scheduler_args) == []
     args = serve("--mirror-watermark", "0.3")
@@ -98,3 +98,7 @@ def test_a_knob_the_worker_device_decides_reaches_the_scheduler_only_when_given(
     assert child_argv(args, flags.scheduler_args) == ["--mirror-watermark", "0.3"]
     with pytest.raises(SystemExit):
         serve("--mirror-watermark", "half")
+    assert serve().slo_chunking is None
+    args = serve("--no-slo-chunking")
+    assert args.slo_chunking is False
+    assert child_argv(args, flags.scheduler_args) == ["--no-slo-chunking"]

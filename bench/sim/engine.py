@@ -53,7 +53,7 @@ from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
 from shared.config import default_pipeline_depth
-from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, TokenOutput
+from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, StepTimings, TokenOutput
 
 TOKEN = 1  # the id every synthesized sample carries but a request's last
 STOP = 2  # a request's last sample when it asks for more than its true output (`SimSetup.max_tokens`)
@@ -179,11 +179,12 @@ class InFlight:
     sampled: list[str]  # request ids that sample in this step
     tokens: list[int] | None = None  # the id each samples (TOKEN for all when None)
     end: float = math.inf  # when its result is back (the cost model's)
+    compute_s: float = 0.0  # reported back, as a worker does (the core learns step times from it)
 
 
 def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
     hw, model = setup.hardware, setup.model
-    cfg = setup.cfg.for_device(on_cpu=not hw.pipeline)
+    cfg = setup.cfg
     max_model_len = min(model.max_position, setup.num_hbm_blocks * cfg.block_size)
     predictor = noisy_predictor(items, setup.predictor_noise)
     core = SchedulerCore(cfg, setup.num_hbm_blocks, setup.num_dram_blocks, max_model_len, predictor=predictor)
@@ -215,7 +216,7 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         run.compute_ms.append(compute_s * 1e3)
         run.xfer_ms.append(x.total_s * 1e3)
         last = [STOP if num_samples[int(r)] == items[int(r)].output_tokens else TOKEN for r in sampled]
-        return InFlight(plan.step_id, sampled, last, end)
+        return InFlight(plan.step_id, sampled, last, end, compute_s)
 
     def idle() -> None:  # a schedule() call that built no plan
         run.sched_wall_ms.append(driver.schedule_s * 1e3)
@@ -299,7 +300,7 @@ def run_clock(
         if driver.in_flight:
             f = driver.in_flight[0]
             tokens = f.tokens if f.tokens is not None else [TOKEN] * len(f.sampled)
-            _, outputs = driver.result(StepResult(f.step_id, f.sampled, tokens), now)
+            _, outputs = driver.result(StepResult(f.step_id, f.sampled, tokens, StepTimings(compute_s=f.compute_s)), now)
             applied(outputs, now)
         following = next_result()
         merged = following - now < tick_s and following <= arrival
@@ -355,4 +356,5 @@ def make_setup(
 ) -> SimSetup:
     num_hbm, num_dram = num_kv_blocks(hw, model, cfg.block_size)
     dram = num_dram if dram is None else dram
+    cfg = cfg.for_device(on_cpu=not hw.pipeline)  # a profile without the pipeline is a CPU's
     return SimSetup(cfg, hw, model, mode, hbm or num_hbm, dram, sched_time, check, depth, max_tokens, predictor_noise)

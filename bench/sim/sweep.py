@@ -52,7 +52,7 @@ def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: 
         "rate": rate,
         **{k: getattr(cfg, k) for k in KNOBS if k != "transfer_mode"},
         "transfer_mode": setup.transfer_mode,
-        **{k: getattr(cfg, k) for k in ("reserve_full_prompt", "min_residency_s", "admit_watermark", "rotary_yields")},
+        **{k: getattr(cfg, k) for k in ("reserve_full_prompt", "min_residency_s", "admit_watermark", "rotary_yields", "slo_chunking")},
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "cached_token_share": s["cached_token_share"],
         "max_tokens": setup.max_tokens,
@@ -206,6 +206,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rotary-yields", action=argparse.BooleanOptionalAction, default=d.rotary_yields, help="lvf")
     p.add_argument(
+        "--slo-chunking",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="lvf: cap prefill chunks to keep decodes within the TBT SLO (default: on for a GPU profile)",
+    )
+    p.add_argument(
         "--reserve-full-prompt",
         action=argparse.BooleanOptionalAction,
         default=d.reserve_full_prompt,
@@ -280,6 +286,7 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
             min_residency_s=residency,
             admit_watermark=watermark,
             rotary_yields=args.rotary_yields,
+            slo_chunking=args.slo_chunking,
             enable_prefix_caching=args.enable_prefix_caching,
         )
         jobs.append(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import Field, dataclass, field, fields, replace
 
-from shared.config import DEFAULT_BLOCK_SIZE, default_mirror_watermark
+from shared.config import DEFAULT_BLOCK_SIZE, default_mirror_watermark, default_slo_chunking
 
 POLICIES = ("lvf", "fcfs", "sf", "wf", "trtllm", "lightllm", "ltr", "edf")
 SWAPPING = ("lvf", "sf", "wf")  # the others preempt by recompute (trtllm never preempts)
@@ -49,6 +49,14 @@ class SchedulerConfig:
     beta_b: float = _flag(0.0, "TBT slack share before VLT grows (default %(default)s)")
     xfer_budget: int = _flag(2400, "B_xfer: KV blocks that may be rotated per step (default %(default)s)")
     max_batched_tokens: int = _flag(512, "chunked-prefill token budget per step, decodes first (default %(default)s)")
+    slo_chunking: bool | None = _flag(
+        None,
+        "lvf: while requests decode, cap a step's prefill tokens so that its compute time (fitted from "
+        "the worker's reports) stays within their TBT SLO; a prompt past its TTFT slack (VLT >= 0) is "
+        "not capped (default: on with a GPU worker; off with a CPU one, whose every step costs about "
+        "the SLO already)",
+        type=bool,
+    )
     max_num_seqs: int = _flag(64, "requests per step at most (default %(default)s)")
     max_waiting: int = _flag(  # WAITING requests (no KV yet)
         0, "requests waiting for their first schedule at most; beyond it new ones get 429 (0 = unbounded)"
@@ -160,7 +168,14 @@ class SchedulerConfig:
         return self.policy == "lvf" and self.eager_rotation
 
     def for_device(self, on_cpu: bool) -> SchedulerConfig:
-        """This config with the knobs left to the worker's device set for it."""
-        if self.mirror_watermark is not None:
-            return self
-        return replace(self, mirror_watermark=default_mirror_watermark(on_cpu))
+        """This config with the knobs left to the worker's device (None) set for it."""
+        return replace(
+            self,
+            mirror_watermark=default_mirror_watermark(on_cpu) if self.mirror_watermark is None else self.mirror_watermark,
+            slo_chunking=default_slo_chunking(on_cpu) if self.slo_chunking is None else self.slo_chunking,
+        )
+
+    @property
+    def caps_prefill(self) -> bool:
+        """Whether a step's prefill tokens are capped to keep decodes within their TBT SLO."""
+        return self.policy == "lvf" and bool(self.slo_chunking)

@@ -52,7 +52,9 @@ def schedule_running(core: PolicyView, step: Step, order: list[Request], preempt
             num_new = req.num_schedulable()
             if num_new == 0 or (num_new == 1) != decodes:
                 continue
-            num_new = min(num_new, step.tokens_left)
+            num_new = core.grant(req, step)
+            if num_new == 0:
+                continue  # the step's prefill cap is spent
             need = core.memory.blocks_needed(req, num_new)
             step.num_blocks_wanted += need
             if make_room(core, step, req, need, order if preempt else []):
@@ -94,7 +96,9 @@ def admit_in_order(core: PolicyView, step: Step, candidates: Iterable[Request]) 
             return
         if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
             continue  # not back in the step that evicted it; or its sample is in flight
-        num_new = min(req.num_schedulable(), step.tokens_left)
+        num_new = core.grant(req, step)
+        if num_new == 0:
+            return  # the step's prefill cap is spent
         room = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
         step.num_blocks_wanted += room
         if req.status is Status.ROTARY:

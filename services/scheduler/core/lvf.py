@@ -89,9 +89,11 @@ def admit_by_vlt(
     for v, req in candidates:
         if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
             continue  # evicted this step, or its sample is in flight
-        num_new = min(req.num_schedulable(), step.tokens_left - num_decodes)
-        if num_new <= 0 or step.seqs_left - num_decodes <= 0:
+        if step.tokens_left - num_decodes <= 0 or step.seqs_left - num_decodes <= 0:
             return
+        num_new = core.grant(req, step, reserve=num_decodes)
+        if num_new == 0:
+            continue  # the step's prefill cap is spent; a paused decode may still fit
         need = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
         if core.running:  # leave the running requests room to grow (the first admission needs none)
             need += watermark

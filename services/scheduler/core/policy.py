@@ -28,6 +28,11 @@ class PolicyView(Protocol):
     num_finished: int
     num_finished_output_tokens: int  # outputs of the requests finished so far, summed
 
+    def grant(self, req: Request, step: Step, reserve: int = 0) -> int:
+        """Tokens `req` may compute this step: its schedulable ones within the step's token
+        budget less `reserve`, and a prefill chunk within the step's prefill cap. 0 when none."""
+        ...
+
     def admit(self, req: Request, step: Step, num_new_tokens: int) -> None:
         """WAITING/ROTARY -> RUNNING with its first `num_new_tokens` scheduled (capacity checked)."""
         ...

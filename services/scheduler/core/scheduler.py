@@ -7,6 +7,7 @@ drive the same code.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 
 from shared.protocol import AddRequest, NewRequestData, Plan, ScheduledRequest, StepResult, TokenOutput
@@ -20,6 +21,7 @@ from .memory import Memory
 from .queues import RequestHeap
 from .request import Request, Status, blocks_for
 from .step import Step
+from .steptime import SLO_SHARE, StepTimeModel
 from .vlt import lag_key
 
 
@@ -73,6 +75,8 @@ class SchedulerCore:
         self.num_finished = 0
         self.num_finished_output_tokens = 0
         self.num_aborted = 0
+        self.step_time = StepTimeModel()  # learnt from the worker's reports, for slo_chunking
+        self._step_tokens: dict[int, int] = {}  # tokens of each plan in flight
 
     # ------------------------------------------------------------ requests in
 
@@ -135,6 +139,9 @@ class SchedulerCore:
         """Append sampled tokens and release the blocks the step copied from. Tokens of
         requests that finished or were aborted since their step was planned are ignored."""
         self.memory.step_done(result.step_id)
+        num_tokens = self._step_tokens.pop(result.step_id, 0)
+        if num_tokens and result.timings.compute_s > 0:
+            self.step_time.observe(num_tokens, result.timings.compute_s)
         outputs: list[TokenOutput] = []
         for request_id, token in zip(result.request_ids, result.token_ids):
             req = self.requests.get(request_id)
@@ -186,6 +193,7 @@ class SchedulerCore:
             step_id=self.step_id,
             now=now,
             tokens_left=cfg.max_batched_tokens,
+            prefill_left=self._prefill_cap(now),
             moves_left=cfg.xfer_budget,
             seqs_left=cfg.max_num_seqs,
             free_hbm_at_start=memory.hbm.num_free,
@@ -208,6 +216,21 @@ class SchedulerCore:
         busy = step.scheduled or step.num_moved or step.num_preempted or self.pending_drops
         return self._build_plan(step) if busy else None
 
+    def _prefill_cap(self, now: float) -> int:
+        """Prefill tokens this step may take: the token budget or, with `slo_chunking` while
+        requests decode, what keeps the step within their tightest TBT SLO. The cap spends the
+        prompts' TTFT slack on the decodes' gaps, so it holds only while every prompt's tokens
+        can still be computed at the capped rate before the least slack among them runs out."""
+        cfg = self.cfg
+        slos = [r.tbt_slo for r in self.running.values() if r.has_emitted] if cfg.caps_prefill else []
+        fitted = self.step_time.prefill_cap(len(slos), min(slos)) if slos else None
+        if fitted is None or fitted >= cfg.max_batched_tokens:
+            return cfg.max_batched_tokens
+        prompts = [r for r in self.requests.values() if not r.has_emitted]
+        backlog = sum(r.num_known - r.num_computed_tokens for r in prompts)
+        slack = min((lag_key(r, cfg) for r in prompts), default=math.inf) - now
+        return fitted if backlog / fitted * SLO_SHARE * min(slos) <= slack else cfg.max_batched_tokens
+
     def _build_plan(self, step: Step) -> Plan:
         new_requests: list[NewRequestData] = []
         scheduled: list[ScheduledRequest] = []
@@ -229,10 +252,17 @@ class SchedulerCore:
             drop=self.pending_drops,
         )
         self.pending_drops = []
+        self._step_tokens[step.step_id] = sum(r.step_new_tokens for r in step.scheduled)
         self.step_id += 1
         return plan
 
     # ------------------------------------------------------------ transitions used by policies (policy.PolicyView)
+
+    def grant(self, req: Request, step: Step, reserve: int = 0) -> int:  # PolicyView.grant
+        num = min(req.num_schedulable(), step.tokens_left - reserve)
+        if num > 1:
+            num = min(num, step.prefill_left)
+        return max(num, 0)
 
     def admit(self, req: Request, step: Step, num_new_tokens: int) -> None:
         """WAITING/ROTARY -> RUNNING and schedule its first tokens (capacity checked)."""

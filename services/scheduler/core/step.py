@@ -13,6 +13,7 @@ class Step:
     step_id: int
     now: float
     tokens_left: int  # chunked-prefill token budget
+    prefill_left: int  # of which capped prefill chunks may still take (slo_chunking, steptime.py)
     moves_left: int  # B_xfer: blocks that may still be copied this step
     seqs_left: int  # requests that may still be scheduled this step
     free_hbm_at_start: int
@@ -45,6 +46,8 @@ class Step:
         if req.num_computed_tokens == req.num_known:
             req.num_pending += 1  # reached the end of its known tokens: it samples
         self.tokens_left -= num_new_tokens
+        if num_new_tokens > 1:
+            self.prefill_left -= num_new_tokens
         self.seqs_left -= 1
         self.scheduled.append(req)
 
