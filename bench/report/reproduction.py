@@ -198,7 +198,8 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
         "(vLLM V1's defaults on a >= 70 GiB GPU), "
         f"B_xfer {cfg['xfer_budget']}, α {cfg['alpha']:g}, β_F {cfg['beta_f']:g}, β_B {cfg['beta_b']:g}; "
         f"SLOs TTFT {cfg['ttft_slo']:g} s, TBT {cfg['tbt_slo'] * 1e3:g} ms; LVF's guards `min_residency_s` "
-        f"{cfg.get('min_residency_s', 2.0):g} s, `admit_watermark` {cfg.get('admit_watermark', 0.0):g} (README, "
+        f"{cfg.get('min_residency_s', 2.0):g} s, `admit_watermark` {cfg.get('admit_watermark', 0.0):g}, "
+        f"`slo_chunking` {'on' if cfg.get('slo_chunking') else 'off'} (README, "
         "\"Scheduling and memory knobs\"). " + _scheduling(st),
         "- **Metrics** as `bench serve` computes them (`bench/report/metrics.py`): "
         f"TTFT attainment = requests with TTFT <= {cfg['ttft_slo']:g} s;",
@@ -226,6 +227,7 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
         "",
         *detail_table([r for r in r16 if r["rate"] == hi], "policy", policy_label),
         "",
+        *chunking_table(res),
         "**Baselines on naive copies** (the rate of vLLM's stock swap, ~10 GB/s; still overlapped with compute as "
         "our pipeline does), LVF on DuplexKV:",
         "",
@@ -245,6 +247,21 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
     L += render_rest(res, hi)
     L += simlive.markdown(simlive_runs)
     return "\n".join(L) + "\n"
+
+
+def chunking_table(res: dict) -> list[str]:
+    """LVF with and without its SLO chunking (rows written before the ablation have none)."""
+    if "fig16_no_chunking" not in res:
+        return []
+    rows = [r for r in res["fig16"] if r["policy"] == "lvf"] + res["fig16_no_chunking"]
+    label = lambda r: "LVF" if r.get("slo_chunking") else "LVF, no SLO chunking"  # noqa: E731
+    return [
+        "**LVF without its SLO chunking** (`--no-slo-chunking`: prefill chunks take the whole token budget while "
+        "requests decode, as in every baseline):",
+        "",
+        *attainment_table(rows, label),
+        "",
+    ]
 
 
 def render_pressure(res: dict) -> list[str]:

@@ -43,15 +43,13 @@ def schedule_running(core: PolicyView, step: Step, order: list[Request], preempt
     """Give each running request its tokens, decodes before prefill chunks, in `order`.
     A request short of blocks preempts the request at the end of `order` that has not
     been scheduled this step (possibly itself); without `preempt` it waits a step."""
+    todo = [(req, n) for req in order if req.status is Status.RUNNING and (n := req.num_schedulable())]
     for decodes in (True, False):
-        for req in order:
+        for req, num_new in todo:
             if step.tokens_left == 0 or step.seqs_left == 0:
                 return
-            if req.status is not Status.RUNNING or step.is_scheduled(req):
-                continue
-            num_new = req.num_schedulable()
-            if num_new == 0 or (num_new == 1) != decodes:
-                continue
+            if (num_new == 1) != decodes or req.status is not Status.RUNNING or step.is_scheduled(req):
+                continue  # the other pass's, or preempted or scheduled since
             num_new = core.grant(req, step)
             if num_new == 0:
                 continue  # the step's prefill cap is spent
