@@ -123,6 +123,121 @@ static inline __attribute__((always_inline)) void attend_span(
     }
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+#define PASS_REGS 16 /* accumulator registers of one pass: its query heads x head_dim / 16 */
+
+/* exp_nonpositive on 16 lanes. */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* attend_span for head_dim = 16 * V (V = 4 or 8, a compile-time constant), in registers. Per
+ * chunk, the query heads that share a KV head go in passes of PASS_REGS / V heads: each key and
+ * value is loaded once per pass for all of its heads, and the pass's accumulators stay in
+ * registers through the chunk. The next chunk's lines are prefetched (into L2) a few per key
+ * while this chunk computes, so the memory streams during the compute: issued all at once they
+ * would queue behind the core's few outstanding misses and stall it (20 requests x 600 keys,
+ * 30 layers: 43.7 ms with the loop above, 40.3 in registers, 35.8 with the spread prefetch;
+ * with the keys in cache 16.2, 10.0 and 12.1 ms). */
+static inline __attribute__((always_inline)) void attend_span_avx512(
+    const float *restrict q, const float *kv, int64_t block_stride, int64_t side_stride, const int64_t *table,
+    int64_t start, int64_t end, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale,
+    float *restrict acc, float *restrict mx, float *restrict sm, const int V) {
+    const int64_t D = 16 * V, group = num_heads / num_kv_heads, slot = num_kv_heads * D;
+    const int per_pass = PASS_REGS / V;
+    const int64_t num_passes = num_kv_heads * ((group + per_pass - 1) / per_pass);
+    for (int64_t h = 0; h < num_heads; h++) {
+        mx[h] = -INFINITY;
+        sm[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * num_heads * D);
+    float s[PASS_REGS / 4][CHUNK] __attribute__((aligned(64)));
+    for (int64_t pos = start; pos < end;) {
+        const int64_t in_block = pos % block_size;
+        int64_t n = block_size - in_block;
+        n = n < CHUNK ? n : CHUNK;
+        n = n < end - pos ? n : end - pos;
+        const float *kb = kv + table[pos / block_size] * block_stride + in_block * slot;
+        const float *vb = kb + side_stride;
+        /* The next chunk: its K lines then its V lines, pf_step of them per key visited. */
+        const float *nk = kb;
+        int64_t pf_lines = 0, pf_i = 0;
+        if (pos + n < end) {
+            const int64_t next = pos + n, next_n = end - next < CHUNK ? end - next : CHUNK;
+            nk = kv + table[next / block_size] * block_stride + next % block_size * slot;
+            pf_lines = next_n * slot / 16;
+        }
+        const int64_t pf_step = (2 * pf_lines + 2 * n * num_passes - 1) / (2 * n * num_passes);
+#define PREFETCH_SOME()                                                                   \
+    for (int64_t i = 0; i < pf_step && pf_i < 2 * pf_lines; i++, pf_i++)                 \
+        _mm_prefetch((const char *)(pf_i < pf_lines ? nk + pf_i * 16 : nk + side_stride + (pf_i - pf_lines) * 16), \
+                     _MM_HINT_T1);
+        for (int64_t g = 0; g < num_kv_heads; g++) {
+            const float *kg = kb + g * D, *vg = vb + g * D;
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {
+                const int nh = (g + 1) * group - h0 < per_pass ? (int)((g + 1) * group - h0) : per_pass;
+                __m512 qv[PASS_REGS / 4][8], a[PASS_REGS / 4][8], x[8];
+                for (int j = 0; j < nh; j++)
+                    for (int d = 0; d < V; d++) qv[j][d] = _mm512_loadu_ps(q + (h0 + j) * D + 16 * d);
+                for (int64_t t = 0; t < n; t++) { /* scores */
+                    PREFETCH_SOME();
+                    for (int d = 0; d < V; d++) x[d] = _mm512_loadu_ps(kg + t * slot + 16 * d);
+                    for (int j = 0; j < nh; j++) {
+                        __m512 p = _mm512_mul_ps(qv[j][0], x[0]);
+                        for (int d = 1; d < V; d++) p = _mm512_fmadd_ps(qv[j][d], x[d], p);
+                        s[j][t] = scale * _mm512_reduce_add_ps(p);
+                    }
+                }
+                for (int j = 0; j < nh; j++) { /* running softmax; a[j] = the accumulator rescaled */
+                    const int64_t h = h0 + j;
+                    float m = mx[h];
+                    for (int64_t t = 0; t < n; t++) m = s[j][t] > m ? s[j][t] : m;
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int64_t t = 0; t < n; t += 16) {
+                        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+                        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s[j] + t), _mm512_set1_ps(m)));
+                        _mm512_storeu_ps(s[j] + t, e);
+                        sum = _mm512_mask_add_ps(sum, live, sum, e);
+                    }
+                    const float correction = exp_nonpositive(mx[h] - m); /* ~0 on the first chunk */
+                    mx[h] = m;
+                    sm[h] = sm[h] * correction + _mm512_reduce_add_ps(sum);
+                    const __m512 c = _mm512_set1_ps(correction);
+                    for (int d = 0; d < V; d++) a[j][d] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * d), c);
+                }
+                for (int64_t t = 0; t < n; t++) { /* values */
+                    PREFETCH_SOME();
+                    for (int d = 0; d < V; d++) x[d] = _mm512_loadu_ps(vg + t * slot + 16 * d);
+                    for (int j = 0; j < nh; j++) {
+                        const __m512 p = _mm512_set1_ps(s[j][t]);
+                        for (int d = 0; d < V; d++) a[j][d] = _mm512_fmadd_ps(p, x[d], a[j][d]);
+                    }
+                }
+                for (int j = 0; j < nh; j++)
+                    for (int d = 0; d < V; d++) _mm512_storeu_ps(acc + (h0 + j) * D + 16 * d, a[j][d]);
+            }
+        }
+#undef PREFETCH_SOME
+        pos += n;
+    }
+}
+#endif
+
 /* q: [R, H, D] rows `q_row_stride` floats apart (heads contiguous); out: [R, H, D] contiguous.
  * block_ids: [R, max_blocks]; ctx_lens: [R] keys per request (the new token's included, >= 1). */
 void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
@@ -157,7 +272,16 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const floa
             float *acc = part + i * part_size, *mx = acc + num_heads * head_dim, *sm = mx + num_heads;
             const float *qr = q + r * q_row_stride;
             const int64_t *table = block_ids + r * max_blocks;
-            if (head_dim == 64) /* the common size, unrolled at compile time */
+#ifdef __AVX512F__
+            if (head_dim == 64) /* the common sizes, unrolled at compile time */
+                attend_span_avx512(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads,
+                                   block_size, scale, acc, mx, sm, 4);
+            else if (head_dim == 128)
+                attend_span_avx512(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads,
+                                   block_size, scale, acc, mx, sm, 8);
+            else
+#endif
+            if (head_dim == 64)
                 attend_span(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, 64,
                             block_size, scale, acc, mx, sm);
             else
