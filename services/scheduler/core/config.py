@@ -52,9 +52,9 @@ class SchedulerConfig:
     slo_chunking: bool | None = _flag(
         None,
         "lvf: while requests decode, cap a step's prefill tokens so that its compute time (fitted from "
-        "the worker's reports) stays within their TBT SLO; a prompt past its TTFT slack (VLT >= 0) is "
-        "not capped (default: on with a GPU worker; off with a CPU one, whose every step costs about "
-        "the SLO already)",
+        "the worker's reports) stays within their TBT SLO, as long as the prompts' TTFT slack can pay for "
+        "it (default: on with a GPU worker; off with a CPU one, whose decode step alone costs most of "
+        "the SLO)",
         type=bool,
     )
     max_num_seqs: int = _flag(64, "requests per step at most (default %(default)s)")
