@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import itertools
 import json
 import math
@@ -158,11 +159,19 @@ def load_items(
     chat: ChatSpec | None = None,
 ) -> list[WorkItem]:
     """Requests with token counts from our tokenizer; arrivals are drawn per rate later."""
-    from shared.tokenizer import load_tokenizer
-    from shared.modelfile import resolve_model_path
+    return load_workload(
+        dataset, num_requests, 1.0, _tokenizer(tokenizer_path), seed=seed, synthetic=synthetic, chat=chat
+    )
 
-    tokenizer = load_tokenizer(resolve_model_path(tokenizer_path))
-    return load_workload(dataset, num_requests, 1.0, tokenizer, seed=seed, synthetic=synthetic, chat=chat)
+
+@functools.cache
+def _tokenizer(path: str | None):
+    """Loaded once per process (reading a GGUF's vocabulary takes seconds; a reproduction
+    loads items once per seed)."""
+    from shared.modelfile import resolve_model_path
+    from shared.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model_path(path))
 
 
 # ---------------------------------------------------------------- command line

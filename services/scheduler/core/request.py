@@ -94,8 +94,13 @@ class Request:
         return num_out < self.params.max_tokens and self.num_known < self.max_model_len
 
     def num_schedulable(self) -> int:
-        """Tokens it could compute now (0 while all it needs is a pending sample)."""
-        return self.num_known - self.num_computed_tokens if self.wants_more() else 0
+        """Tokens it could compute now (0 while all it needs is a pending sample, or when it
+        wants no more: `wants_more`, inlined; the scheduler asks this of every request each step)."""
+        num_out = len(self.output_token_ids) + self.num_pending
+        num_known = len(self.prompt_token_ids) + num_out
+        if num_out < self.params.max_tokens and num_known < self.max_model_len:
+            return num_known - self.num_computed_tokens
+        return 0
 
     def token_all(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
