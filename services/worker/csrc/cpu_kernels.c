@@ -60,6 +60,17 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* The chunk of keys at `pos` (at most CHUNK, within its block and before `end`): its first key's
+ * address in the layer's view of the pool, and in *n how many keys it holds. */
+static inline const float *chunk_at(const float *kv, int64_t block_stride, const int64_t *table, int64_t pos,
+                                    int64_t end, int64_t block_size, int64_t slot, int64_t *n) {
+    const int64_t in_block = pos % block_size;
+    int64_t k = block_size - in_block;
+    k = k < CHUNK ? k : CHUNK;
+    *n = k < end - pos ? k : end - pos;
+    return kv + table[pos / block_size] * block_stride + in_block * slot;
+}
+
 /* Keys [start, end) of one request (start a multiple of block_size), every head.
  * q: [H, D]; writes acc: [H, D] (not yet divided by the sum), mx: [H] running max, sm: [H] sum.
  * Loops run head by head over a chunk of keys so that a head's query and accumulator stay in
@@ -76,15 +87,12 @@ static inline __attribute__((always_inline)) void attend_span(
     }
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int64_t pos = start; pos < end;) {
-        const int64_t in_block = pos % block_size;
-        int64_t n = block_size - in_block;
-        n = n < CHUNK ? n : CHUNK;
-        n = n < end - pos ? n : end - pos;
-        const float *kb = kv + table[pos / block_size] * block_stride + in_block * slot;
+        int64_t n;
+        const float *kb = chunk_at(kv, block_stride, table, pos, end, block_size, slot, &n);
         const float *vb = kb + side_stride;
         if (pos + n < end) { /* the next chunk's block lies elsewhere: start bringing it into L2 */
-            const int64_t next = pos + n, next_n = end - next < CHUNK ? end - next : CHUNK;
-            const float *nk = kv + table[next / block_size] * block_stride + next % block_size * slot;
+            int64_t next_n;
+            const float *nk = chunk_at(kv, block_stride, table, pos + n, end, block_size, slot, &next_n);
             for (int64_t i = 0; i < next_n * slot; i += 64 / sizeof(float)) {
                 __builtin_prefetch(nk + i, 0, 2);
                 __builtin_prefetch(nk + side_stride + i, 0, 2);
@@ -168,18 +176,15 @@ static inline __attribute__((always_inline)) void attend_span_avx512(
     memset(acc, 0, sizeof(float) * num_heads * D);
     float s[PASS_REGS / 4][CHUNK] __attribute__((aligned(64)));
     for (int64_t pos = start; pos < end;) {
-        const int64_t in_block = pos % block_size;
-        int64_t n = block_size - in_block;
-        n = n < CHUNK ? n : CHUNK;
-        n = n < end - pos ? n : end - pos;
-        const float *kb = kv + table[pos / block_size] * block_stride + in_block * slot;
+        int64_t n;
+        const float *kb = chunk_at(kv, block_stride, table, pos, end, block_size, slot, &n);
         const float *vb = kb + side_stride;
         /* The next chunk: its K lines then its V lines, pf_step of them per key visited. */
         const float *nk = kb;
         int64_t pf_lines = 0, pf_i = 0;
         if (pos + n < end) {
-            const int64_t next = pos + n, next_n = end - next < CHUNK ? end - next : CHUNK;
-            nk = kv + table[next / block_size] * block_stride + next % block_size * slot;
+            int64_t next_n;
+            nk = chunk_at(kv, block_stride, table, pos + n, end, block_size, slot, &next_n);
             pf_lines = next_n * slot / 16;
         }
         const int64_t pf_step = (2 * pf_lines + 2 * n * num_passes - 1) / (2 * n * num_passes);
