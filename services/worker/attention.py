@@ -61,15 +61,12 @@ class PrefillSegment:
     # Tokens already in the cache before this chunk; 0 means the chunk is the whole context
     # so far and attends only to its own fresh K/V (no gather).
     num_cached: int
-    block_ids: torch.Tensor | None  # [blocks holding num_cached + q_len tokens] when num_cached > 0
+    block_ids: torch.Tensor  # [blocks holding num_cached + q_len tokens]
     mask: torch.Tensor | None  # [q_len, num_cached + q_len] bool when num_cached > 0
 
     def to(self, device) -> PrefillSegment:
-        if self.block_ids is None:
-            return self
-        return PrefillSegment(
-            self.q_start, self.q_len, self.num_cached, _move(self.block_ids, device), _move(self.mask, device)
-        )
+        mask = None if self.mask is None else _move(self.mask, device)
+        return PrefillSegment(self.q_start, self.q_len, self.num_cached, _move(self.block_ids, device), mask)
 
 
 @dataclass
@@ -168,10 +165,10 @@ def _decode_batch(num_cached: list[int], block_tables: list[list[int]], block_si
 def _prefill_segment(
     q_start: int, num_cached: int, q_len: int, table: list[int], block_size: int
 ) -> PrefillSegment:
-    if num_cached == 0:
-        return PrefillSegment(q_start, q_len, 0, None, None)
     total = num_cached + q_len
     block_ids = torch.tensor(table[: -(-total // block_size)], dtype=torch.long)
+    if num_cached == 0:
+        return PrefillSegment(q_start, q_len, 0, block_ids, None)
     rows = torch.arange(q_len)[:, None] + num_cached
     mask = torch.arange(total)[None, :] <= rows  # [q_len, total]
     return PrefillSegment(q_start, q_len, num_cached, block_ids, mask)
@@ -234,7 +231,12 @@ def _decode_sdpa(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) ->
 def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, seg: PrefillSegment
 ) -> torch.Tensor:
-    """One chunk, causal; a chunk after cached tokens sees them all plus its own prefix."""
+    """One chunk, causal; a chunk after cached tokens sees them all plus its own prefix. The
+    native CPU kernel reads every key from the pool; SDPA takes a first chunk's fresh K/V as
+    they are and gathers a later chunk's context."""
+    native = cpu_kernels.for_tensor(q)
+    if native is not None and native.supports_prefill(q, kv_layer):
+        return native.prefill_attention(q, kv_layer, seg.block_ids, seg.num_cached)
     qh = q.transpose(0, 1)[None]  # [1, H, n, D]
     if seg.num_cached == 0:
         kh = k.transpose(0, 1)[None]  # [1, KV, n, D]

@@ -30,6 +30,7 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 ENV_SWITCH = "SUPERINFER_CPU_KERNELS"
 PANEL = 16  # output columns per panel of a packed matmul weight (csrc: PANEL)
+PF_KEYS, PF_ROWS = 8, 48  # prefill attention: head elements per pass, query rows per tile (csrc)
 AMX_N, AMX_K = 16, 32  # output columns and inputs per tile of the AMX matmul's weight (csrc: AMX_N, AMX_K)
 
 log = structlog.get_logger("worker")
@@ -44,6 +45,10 @@ class CpuKernels:
         f, c_int = ctypes.c_float, ctypes.c_int
         self._attention = _bind(lib.paged_decode_attention_f32, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
                                 + [_i64] * 5 + [f, c_int])  # fmt: skip
+        # Absent where the compiler does not target AVX-512 (csrc: paged prefill attention).
+        prefill = getattr(lib, "paged_prefill_attention_f32", None)
+        self._prefill = prefill and _bind(prefill, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr]
+                                          + [_i64] * 4 + [f, c_int])  # fmt: skip
         self._add_rms_norm = _bind(lib.add_rms_norm_f32, [_ptr, _ptr, _ptr, f, _ptr, _i64, _i64, c_int])
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
@@ -94,6 +99,35 @@ class CpuKernels:
             kv_layer.data_ptr(), kv_layer.stride(0), kv_layer.stride(1),
             block_ids.data_ptr(), block_ids.shape[1], context_lens.data_ptr(), out.data_ptr(),
             num_rows, num_heads, num_kv, head_dim, block_size,
+            head_dim**-0.5, _threads(),
+        )  # fmt: skip
+        return out
+
+    def supports_prefill(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+        """As `supports_decode`, for `prefill_attention`: built here, a head size in steps of
+        8 and at most 48 query heads per KV head (csrc: PF_KEYS, PF_ROWS)."""
+        num_heads, num_kv = q.shape[1], kv_layer.shape[3]
+        return (
+            self._prefill is not None
+            and self.supports_decode(q, kv_layer)
+            and q.shape[2] % PF_KEYS == 0
+            and num_heads // num_kv <= PF_ROWS
+        )
+
+    def prefill_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor, num_cached: int
+    ) -> torch.Tensor:
+        """Causal attention of one prefill chunk over its request's keys in the pool (its own
+        already written). q: [n, H, D], the queries of positions num_cached .. num_cached + n - 1;
+        block_ids: [blocks] long, covering them. Returns [n, H, D]."""
+        q_len, num_heads, head_dim = q.shape
+        _, _, block_size, num_kv, _ = kv_layer.shape
+        out = torch.empty((q_len, num_heads, head_dim), dtype=q.dtype)
+        self._prefill(
+            q.data_ptr(), q.stride(0),
+            kv_layer.data_ptr(), kv_layer.stride(0), kv_layer.stride(1),
+            block_ids.data_ptr(), num_cached, q_len, out.data_ptr(),
+            num_heads, num_kv, head_dim, block_size,
             head_dim**-0.5, _threads(),
         )  # fmt: skip
         return out

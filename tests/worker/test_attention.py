@@ -26,15 +26,15 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cache
 
 
 @pytest.fixture(params=["kernel", "sdpa"])
-def decode_path(request, monkeypatch):
-    """Decodes through the native CPU kernel, and through the torch path it replaces elsewhere."""
+def native_path(request, monkeypatch):
+    """Attention through the native CPU kernels, and through the torch path they replace elsewhere."""
     if request.param == "sdpa":
         monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
     return request.param
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mixed_step_matches_dense(seed, decode_path):
+def test_mixed_step_matches_dense(seed, native_path):
     """Decodes with ragged contexts, a fresh prefill and a chunk after cached tokens, in one
     step, over a pool full of NaN: only written slots may ever be read."""
     gen = torch.Generator().manual_seed(seed)
@@ -124,3 +124,36 @@ def test_cpu_kernel_matches_sdpa_path(block_size, num_kv, group, head_dim, conte
     q, layer = qk[:, :num_heads], pool[:, 1]  # [R, H, D] with a row stride of H + KV heads
     got = cpu_kernels.kernels().decode_attention(q, layer, meta.decodes.block_ids, meta.decodes.context_lens)
     torch.testing.assert_close(got, attention._decode_sdpa(q, layer, meta.decodes), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "block_size, num_kv, group, head_dim, cached, q_len",
+    [
+        (16, 3, 3, 64, 0, 512),  # SmolLM2, a whole prompt: 16 positions x 3 heads per tile
+        (16, 3, 3, 64, 37, 70),  # a later chunk starting mid-block; a part tile at the end
+        (32, 1, 8, 128, 0, 13),  # MQA-like groups of 8: 6 positions per tile
+        (64, 8, 5, 128, 100, 9),  # Qwen2.5-32B's groups of 5: 48 rows hold 9 positions, 3 lanes spare
+        (4, 2, 1, 8, 5, 50),  # MHA, tiny blocks: chunks of 4 keys (a score pass of one key at a time)
+    ],
+)
+def test_cpu_prefill_kernel_matches_sdpa_path(block_size, num_kv, group, head_dim, cached, q_len):
+    """The native prefill kernel reads every key from the pool, the chunk's own included: the
+    same output as the SDPA path (fresh K/V, or the gathered context with a mask)."""
+    native = cpu_kernels.kernels()
+    gen = torch.Generator().manual_seed(q_len)
+    num_layers, num_heads, total = 2, num_kv * group, cached + q_len
+    num_blocks = max(64, -(-total // block_size) + 8)
+    pool = torch.randn(num_blocks, num_layers, 2, block_size, num_kv, head_dim, generator=gen)
+    table = torch.randperm(num_blocks, generator=gen)[: -(-total // block_size)].tolist()
+    meta = build_metadata([cached], [q_len], [table], block_size, "cpu")
+    layer = pool[:, 0]
+    qkv = torch.randn(q_len, num_heads + 2 * num_kv, head_dim, generator=gen)  # strided views, as the model's
+    q, k, v = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv], qkv[:, num_heads + num_kv :]
+    write_kv(layer, k, v, meta)
+    (seg,) = meta.prefills
+    assert native.supports_prefill(q, layer)
+    got = native.prefill_attention(q, layer, seg.block_ids, cached)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_kernels, "kernels", lambda: None)
+        want = attention._prefill_attention(q, k, v, layer, seg)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
