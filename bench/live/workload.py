@@ -263,11 +263,11 @@ def with_system_prompts(items: list[WorkItem], texts: list[str], tokenizer, seed
 
 def sample_conversations(
     dialogues, num_conversations: int, tokenizer, seed: int = 0, max_turns: int = 0, think_s: float = 1.0,
-    systems: list[str] | None = None,
+    systems: list[str] | None = None, max_total: int = MAX_TOTAL_TOKENS,
 ) -> list[WorkItem]:
     """Multi-turn items (module doc): shuffle with `seed`, take conversations in order, each
     cut at `max_turns` (0: all) and before the first turn that breaks vLLM's filter (a
-    user turn or a reply under 4 tokens, or a history over 2,048 tokens with the reply);
+    user turn or a reply under 4 tokens, or a history over `max_total` tokens with the reply);
     conversations left with no turn are skipped. With `systems`, conversation c starts with
     system prompt c mod K. Turns of one conversation are consecutive; arrivals are 0."""
     order = list(range(len(dialogues)))
@@ -286,7 +286,7 @@ def sample_conversations(
             num_q = len(tokenizer.encode(text, add_special_tokens=not turns))
             num_a = len(tokenizer.encode(a, add_special_tokens=False))
             prompt_tokens = history + num_q
-            if num_q < MIN_TOKENS or num_a < MIN_TOKENS or prompt_tokens + num_a > MAX_TOTAL_TOKENS:
+            if num_q < MIN_TOKENS or num_a < MIN_TOKENS or prompt_tokens + num_a > max_total:
                 break
             turns.append(WorkItem(text, prompt_tokens, num_a, 0.0, k, num_sys, num, len(turns), think_s))
             history = prompt_tokens + num_a
@@ -376,13 +376,17 @@ def load_workload(
     `chat`: system prompts, and (ShareGPT) `num_requests` conversations instead."""
     chat = chat or ChatSpec()
     systems = system_prompts(chat.num_system_prompts, chat.system_prompt_len, tokenizer, seed) if chat.system_prompt_len else None
+    long = dataset == "sharegpt-long"
     if chat.multi_turn:
-        if dataset != "sharegpt":
-            raise ValueError("multi-turn conversations come from ShareGPT (--dataset sharegpt)")
-        items = sample_conversations(sharegpt_dialogues(), num_requests, tokenizer, seed, chat.max_turns, chat.think_s, systems)
+        if dataset not in ("sharegpt", "sharegpt-long"):
+            raise ValueError("multi-turn conversations come from ShareGPT (--dataset sharegpt or sharegpt-long)")
+        limit = LONG_CONTEXT if long else MAX_TOTAL_TOKENS
+        items = sample_conversations(
+            sharegpt_dialogues(), num_requests, tokenizer, seed, chat.max_turns, chat.think_s, systems, limit
+        )
         return draw_arrivals(items, rate, burstiness, seed)
     if dataset in ("sharegpt", "sharegpt-long"):
-        items = sample_sharegpt(sharegpt_conversations(), num_requests, tokenizer, seed, long=dataset == "sharegpt-long")
+        items = sample_sharegpt(sharegpt_conversations(), num_requests, tokenizer, seed, long=long)
     elif dataset == "synthetic":
         items = synthetic_items(synthetic or SyntheticSpec(), num_requests, tokenizer, seed)
     else:

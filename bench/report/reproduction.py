@@ -152,6 +152,13 @@ def baselines_section(res: dict, hi: float) -> list[str]:
     return [*L, ""]
 
 
+def _dram(hw: dict) -> str:
+    """The DRAM given to the KV-cache: a fixed size, or a share of the host memory."""
+    if hw.get("kv_dram_gb") is not None:
+        return f"{hw['kv_dram_gb']:g} GB of the {hw['host_gb']:g} GB Grace DRAM"
+    return f"{hw['dram_fraction']:g} × {hw['host_gb']:g} GB Grace DRAM"
+
+
 def render_results(results: Path) -> str:
     """The Markdown from the rows in `results` (`reproduction.json`) and the simulator-vs-live
     runs on record there: nothing else goes into it."""
@@ -183,10 +190,10 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
         "",
         f"- **Model** {m['name']} ({m['params_b']:.1f} B parameters, bf16; KV block of {cfg['block_size']} tokens = {m['block_mib']:g} MiB).",
         f"- **Hardware** `{hw['name']}`: {hw['tflops']:g} TFLOP/s bf16 dense at {hw['compute_efficiency']:g} efficiency, "
-        f"{hw['hbm_tbs']:g} TB/s HBM3 at {hw['hbm_efficiency']:g}, {hw['step_overhead_ms']:g} ms fixed per step; "
+        f"{hw['hbm_tbs']:g} TB/s HBM at {hw['hbm_efficiency']:g}, {hw['step_overhead_ms']:g} ms fixed per step; "
         f"{hw['hbm_gb']:g} GB HBM at {hw['mem_utilization']:g} utilization minus the weights = "
         f"**{st['num_hbm_blocks']} HBM blocks** ({st['num_hbm_blocks'] * cfg['block_size'] / 1000:.1f} k tokens); "
-        f"{hw['dram_fraction']:g} × {hw['host_gb']:g} GB Grace DRAM = {st['num_dram_blocks']} DRAM blocks. "
+        f"{_dram(hw)} = {st['num_dram_blocks']} DRAM blocks. "
         f"Link: {hw['link_gbs']:g} GB/s per direction at >= 8 MB segments, {hw['link_gbs_64k']:.1f} GB/s at 64 KB, "
         f"{hw['dram_gbs']:g} GB/s DRAM both ways (x{hw['duplex_efficiency']:g} reached).",
         f"- **Workload** ShareGPT, {w['num_requests']} requests sampled as vLLM's benchmark samples them "
@@ -209,8 +216,9 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
         "",
         "| claim (Fig. 16) | ours | holds |",
         "|---|---|---|",
-        *[f"| {c} | {o} | {'yes' if ok else '**no**'} |" for c, o, ok in res["claims"]],
+        *claims_table(res["claims"]),
         "",
+        *pressure_claims(res),
         *discussion(res, hi),
         "",
         *baselines_section(res, hi),
@@ -242,6 +250,7 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
         "![Fig. 16 at paper speed](results/fig16_paper_speed.png)",
         "",
     ]
+    L += render_models(res)
     L += render_pressure(res)
     L += render_fig1(res, hi)
     L += render_rest(res, hi)
@@ -262,6 +271,48 @@ def chunking_table(res: dict) -> list[str]:
         *attainment_table(rows, label),
         "",
     ]
+
+
+def claims_table(rows) -> list[str]:
+    return [f"| {c} | {o} | {'yes' if ok else '**no**'} |" for c, o, ok in rows]
+
+
+def pressure_claims(res: dict) -> list[str]:
+    """The same claims with the KV cache cut to its smallest share (rows written before they
+    were checked there have none)."""
+    if "claims_pressure" not in res:
+        return []
+    blocks = min(r["num_hbm_blocks"] for r in res["fig16_pressure"])
+    return [
+        f"The same claims with the KV cache cut to {blocks} HBM blocks (section \"Fig. 16 under more memory "
+        "pressure\"), where it fills before the GPU's compute does:",
+        "",
+        "| claim (Fig. 16) | ours | holds |",
+        "|---|---|---|",
+        *claims_table(res["claims_pressure"]),
+        "",
+    ]
+
+
+def render_models(res: dict) -> list[str]:
+    """Fig. 16 on Llama-3-8B and Mixtral-8x7B (rows written before they were added have none)."""
+    rows = res.get("fig16_models", [])
+    L = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        r0 = mine[0]
+        L += [
+            f"## Fig. 16 on {model} ({r0['hardware']}, {r0['num_hbm_blocks']} HBM blocks)",
+            "",
+            *attainment_table(mine, policy_label),
+            "",
+            f"LVF's TTFT lead over the best baseline: {lead_cell(mine, BASELINES)}; over vllm-v1: "
+            f"{lead_cell(mine, ('fcfs',))}. Preemptions at {max(r['rate'] for r in mine):g} req/s: "
+            + ", ".join(f"{policy_label(r)} {r['num_preemptions']:.0f}" for r in mine if r["rate"] == max(x["rate"] for x in mine))
+            + ".",
+            "",
+        ]
+    return L
 
 
 def render_pressure(res: dict) -> list[str]:

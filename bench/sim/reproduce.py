@@ -34,6 +34,9 @@ RATES = (4, 8, 12, 16, 20)
 MAX_TOKENS = 2048  # what the clients ask as max_tokens (a chat front-end's cap); outputs end at their true length
 SMALL_BXFER = 96  # blocks naive copies move in about one step's compute (~40 ms at ~9.5 GB/s)
 BXFER_SWEEP = (24, 96, 384, 1200, 2400, 4800)
+# Fig. 16's other models, each at the Qwen rates times its factor: about where each model's
+# compute saturates on gh200 as 20 req/s is where Qwen2.5-32B's does (its output tok/s stops rising).
+MODEL_ROWS = {"llama3-8b": 5.0, "mixtral-8x7b": 2.5}
 PRESSURE = (0.5, 0.3)  # Fig. 16 again with the HBM pool cut to these shares of the profile's
 KNOB_SWEEPS = {
     "alpha": (0.5, 1.0, 3.0, 5.0, 10.0),
@@ -56,7 +59,9 @@ class Ctx:
         self.num_runs = 0
         self._rows: dict[str, dict] = {}  # Ctx.run's rows by job
 
-    def setup(self, policy: str, mode: str = "duplex", hw=None, hbm: int | None = None, **knobs) -> engine.SimSetup:
+    def setup(
+        self, policy: str, mode: str = "duplex", hw=None, hbm: int | None = None, model=None, **knobs
+    ) -> engine.SimSetup:
         d = self.hw.defaults
         cfg = SchedulerConfig(
             policy=policy,
@@ -70,7 +75,7 @@ class Ctx:
         # Each step takes the scheduling time our core's schedule() measured for it (not the
         # paper's 7.6 ms); it overlaps compute, so it costs only where it is longer.
         return engine.make_setup(
-            hw or self.hw, self.model, cfg, mode, hbm=hbm, sched_time="measured", max_tokens=self.args.max_tokens
+            hw or self.hw, model or self.model, cfg, mode, hbm=hbm, sched_time="measured", max_tokens=self.args.max_tokens
         )
 
     def run(self, jobs: list[sweep.Job]) -> list[dict]:
@@ -101,6 +106,17 @@ def fig16(ctx: Ctx, hw=None, baseline_mode: str = "duplex", hbm: int | None = No
     jobs = [
         sweep.Job(r, ctx.setup(p, "duplex" if p == "lvf" else baseline_mode, hw, hbm))
         for p in policies
+        for r in ctx.args.rates
+    ]
+    return ctx.run(jobs)
+
+
+def fig16_models(ctx: Ctx) -> list[dict]:
+    """Fig. 16's policies on the paper's other two models, at rates scaled per model (MODEL_ROWS)."""
+    jobs = [
+        sweep.Job(r * factor, ctx.setup(p, model=MODELS[key]))
+        for key, factor in MODEL_ROWS.items()
+        for p in POLICIES
         for r in ctx.args.rates
     ]
     return ctx.run(jobs)
@@ -237,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
     hi = max(args.rates)
     res: dict = {"fig16": fig16(ctx)}
     res["fig16_systems"] = fig16(ctx, baseline_mode="naive", policies=SWAPPING)  # the others copy nothing
+    res["fig16_models"] = fig16_models(ctx)
     res["fig16_no_chunking"] = ctx.run([sweep.Job(r, ctx.setup("lvf", slo_chunking=False)) for r in args.rates])
     slow_hw, res["paper_factor"] = paper_speed(ctx, res["fig16"])
     res["fig16_slow"] = fig16(ctx, hw=slow_hw)
@@ -246,10 +263,11 @@ def run(args: argparse.Namespace) -> int:
     res["fig21"] = fig21(ctx, hi)
     res["knobs"] = knob_sweeps(ctx, hi)
     res["table1"] = table1(ctx)
-    res["claims"] = claims(res["fig16"], args.rates)
-    res["claims_slow"] = claims(res["fig16_slow"], args.rates)
+    smallest = min(r["num_hbm_blocks"] for r in res["fig16_pressure"])
+    claims_pressure = claims([r for r in res["fig16_pressure"] if r["num_hbm_blocks"] == smallest], args.rates)
     figs = write_results(res, out)
-    record = {**figs, "claims": res["claims"], "paper_factor": res["paper_factor"]}
+    record = {**figs, "claims": claims(res["fig16"], args.rates), "claims_pressure": claims_pressure}
+    record["paper_factor"] = res["paper_factor"]
     record["setting"] = setting_record(ctx, time.perf_counter() - t0)
     (out / reproduction.ROWS_FILE).write_text(json.dumps(record, indent=1))
     args.out.write_text(reproduction.render_results(out))
@@ -261,6 +279,7 @@ def setting_record(ctx: Ctx, seconds: float) -> dict:
     """What the reproduction ran, as REPRODUCTION.md's setting paragraph tells it (the rows
     file keeps it, so the document is rendered from that file alone)."""
     hw, m, items, setup = ctx.hw, ctx.model, ctx.items, ctx.setup("lvf")
+    long = sweep.load_items("sharegpt-long", len(items), ctx.args.seed)
     return {
         "seconds": seconds,
         "num_runs": ctx.num_runs,
@@ -284,6 +303,7 @@ def setting_record(ctx: Ctx, seconds: float) -> dict:
             "hbm_gb": hw.hbm_bytes / GB,
             "mem_utilization": hw.mem_utilization,
             "dram_fraction": hw.dram_fraction,
+            "kv_dram_gb": None if hw.kv_dram_bytes is None else hw.kv_dram_bytes / GB,
             "host_gb": hw.host_bytes / GB,
             "link_gbs": hw.link.curve[-1][1],
             "link_gbs_64k": hw.link.rate(65536) / GB,
@@ -298,6 +318,9 @@ def setting_record(ctx: Ctx, seconds: float) -> dict:
             "num_requests": len(items),
             "mean_prompt_tokens": sum(i.prompt_tokens for i in items) / len(items),
             "mean_output_tokens": sum(i.output_tokens for i in items) / len(items),
+            # the same seed's sample at the pairs' real lengths (the workload not chosen; discussion.py)
+            "long_mean_prompt_tokens": sum(i.prompt_tokens for i in long) / len(long),
+            "long_mean_output_tokens": sum(i.output_tokens for i in long) / len(long),
         },
         "scheduler": asdict(setup.cfg),
     }

@@ -38,7 +38,8 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path):
     args = parser.parse_args(["--num-requests", "60", "--rates", "4,40", "--out", str(out), "--results", str(tmp_path)])
     assert reproduce.run(args) == 0
     md = out.read_text()
-    sections = ("The paper's claims, checked", "Fig. 16 ", "Fig. 16 under more", "Fig. 1 ", "Fig. 17 ", "Table 1 ")
+    sections = ("The paper's claims, checked", "Fig. 16 ", "Fig. 16 on Llama-3-8B", "Fig. 16 on Mixtral-8x7B",
+                "Fig. 16 under more", "Fig. 1 ", "Fig. 17 ", "Table 1 ")  # fmt: skip
     for heading in sections:
         assert f"## {heading}" in md
     with (tmp_path / "fig16_pressure.csv").open() as f:
@@ -51,6 +52,10 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path):
     for blocks in (full, *sizes):
         assert f"| {blocks} | " in md  # one row of leads per operating point
     assert (tmp_path / "fig16.png").stat().st_size > 0
+    with (tmp_path / "fig16_models.csv").open() as f:
+        models = list(csv.DictReader(f))
+    for key, factor in reproduce.MODEL_ROWS.items():  # each model at its own rates
+        assert {float(r["rate"]) for r in models if r["model"] == reproduce.MODELS[key].name} == {4 * factor, 40 * factor}
 
     rows_only = tmp_path / "rows_only"  # the rows file and nothing else of the run
     rows_only.mkdir()

@@ -330,9 +330,9 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const floa
  * value's element a broadcast operand and a tile's rows in the lanes: S^T[t] = sum_d K[t][d] Q^T[d]
  * (8 keys at a time, 24 accumulators), O^T[d] += sum_t V[t][d] P^T[t] (8 elements of the head at
  * a time). The running softmax's max, sum and correction are then vectors over the rows, and the
- * causal mask is a lane compare of each row's position with the key's. torch's CPU flash
- * attention ran this at ~85 GFLOP/s on a 2-core AVX-512 machine (its matmuls go through a BLAS
- * that may not pick AVX-512); README, "Benchmarks" has this kernel's figures. */
+ * causal mask is a lane compare of each row's position with the key's. A 512-token prompt, 30
+ * layers, on a 2-core Zen 5: torch's CPU flash attention 115 ms, this kernel 31 ms (README,
+ * "Benchmarks"). */
 #ifdef __AVX512F__
 #define PF_X 3                /* 16-row registers per tile */
 #define PF_ROWS (16 * PF_X)   /* query rows per tile */
