@@ -78,8 +78,8 @@ def memory_bullet(res: dict) -> str:
         head + f" On the paper's 144 GB the pool holds {tokens:.0f} k tokens, and no policy preempts at any swept rate: "
         f"vllm-v1's output rate stops rising ({tok[0]:.0f} and {tok[1]:.0f} tok/s at {rates[-2]:g} and {rates[-1]:g} req/s), "
         "i.e. the GPU's compute saturates before the KV-cache fills, and the policies differ only in how they chunk "
-        "prefills (TBT). Past that rate the run is a queue drain (at paper speed above). The cut pools below are "
-        "where the KV-cache runs out first."
+        "prefills (TBT). Past that rate the run is a queue drain (at paper speed above). The cut pools and the longer "
+        "answers (claims above) are where the KV-cache runs out first."
     )
 
 

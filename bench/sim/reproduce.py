@@ -20,6 +20,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.live import workload
+from bench.live.workload import SyntheticSpec
 from bench.report import plots, reproduction
 from bench.report.metrics import RequestRecord
 from bench.report.rows import BASELINES, PAPER_STEP, at, compare, mean_rows, name, pct
@@ -37,6 +38,10 @@ BXFER_SWEEP = (24, 96, 384, 1200, 2400, 4800)
 # Fig. 16's other models, each at the Qwen rates times its factor: about where each model's
 # compute saturates on gh200 as 20 req/s is where Qwen2.5-32B's does (its output tok/s stops rising).
 MODEL_ROWS = {"llama3-8b": 5.0, "mixtral-8x7b": 2.5}
+# Fig. 16 once more with longer answers (512-token prompts, 1,024-token answers ± 50%), where the
+# KV-cache fills before the GPU's compute does on the paper's 144 GB (ShareGPT's answers do not).
+LONG = SyntheticSpec(input_len=512, output_len=1024, dist="uniform", spread=0.5)
+LONG_REQUESTS, LONG_RATES = 400, (3, 6, 9)
 PRESSURE = (0.5, 0.3)  # Fig. 16 again with the HBM pool cut to these shares of the profile's
 KNOB_SWEEPS = {
     "alpha": (0.5, 1.0, 3.0, 5.0, 10.0),
@@ -78,19 +83,21 @@ class Ctx:
             hw or self.hw, model or self.model, cfg, mode, hbm=hbm, sched_time="measured", max_tokens=self.args.max_tokens
         )
 
-    def run(self, jobs: list[sweep.Job]) -> list[dict]:
-        """One row per job: its mean over the seeds, with the spreads (rows.mean_rows). A job
-        run before (the same rate and setup in another figure) is not run again."""
-        new = list({self._key(j): j for j in jobs if self._key(j) not in self._rows}.values())
+    def run(self, jobs: list[sweep.Job], workload: str = "sharegpt") -> list[dict]:
+        """One row per job: its mean over the seeds, with the spreads (rows.mean_rows), on the
+        ShareGPT requests or ("long") the longer answers. A job run before (the same workload,
+        rate and setup in another figure) is not run again."""
+        key = lambda j: repr((workload, j.rate, j.setup))  # noqa: E731
+        new = list({key(j): j for j in jobs if key(j) not in self._rows}.values())
         self.num_runs += len(new) * len(self.seeds)
         if new:
-            rows = mean_rows(sweep.sweep_seeds(self.items_by_seed, new, 5.0, 0.1, num_procs=self.args.jobs))
-            self._rows.update(zip(map(self._key, new), rows))
-        return [self._rows[self._key(j)] for j in jobs]
+            items = self.items_by_seed if workload == "sharegpt" else self.long_items()
+            rows = mean_rows(sweep.sweep_seeds(items, new, 5.0, 0.1, num_procs=self.args.jobs))
+            self._rows.update(zip(map(key, new), rows))
+        return [self._rows[key(j)] for j in jobs]
 
-    @staticmethod
-    def _key(job: sweep.Job) -> str:
-        return repr((job.rate, job.setup))
+    def long_items(self) -> dict[int, list]:
+        return {s: sweep.load_items("synthetic", self.args.long_requests, s, synthetic=LONG) for s in self.seeds}
 
     def records(self, setup: engine.SimSetup, rate: float) -> list[RequestRecord]:
         bare = [replace(it, prompt="") for it in self.items]
@@ -120,6 +127,11 @@ def fig16_models(ctx: Ctx) -> list[dict]:
         for r in ctx.args.rates
     ]
     return ctx.run(jobs)
+
+
+def fig16_long(ctx: Ctx) -> list[dict]:
+    """Fig. 16's policies on the longer answers (LONG), Qwen2.5-32B on gh200."""
+    return ctx.run([sweep.Job(r, ctx.setup(p)) for p in POLICIES for r in LONG_RATES], workload="long")
 
 
 def paper_speed(ctx: Ctx, rows16: list[dict]):
@@ -228,6 +240,9 @@ def claims(rows: list[dict], rates) -> list[tuple[str, str, bool]]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=1000, help="ShareGPT requests per run (default %(default)s)")
+    p.add_argument(
+        "--long-requests", type=int, default=LONG_REQUESTS, help="requests per run on the longer answers (default %(default)s)"
+    )
     p.add_argument("--rates", type=sweep._floats, default=list(RATES), help="requests/s (default 4,8,12,16,20)")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
     p.add_argument("--num-seeds", type=int, default=3, help="seeds per run, from --seed (default %(default)s)")
@@ -254,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
     res: dict = {"fig16": fig16(ctx)}
     res["fig16_systems"] = fig16(ctx, baseline_mode="naive", policies=SWAPPING)  # the others copy nothing
     res["fig16_models"] = fig16_models(ctx)
+    res["fig16_long"] = fig16_long(ctx)
     res["fig16_no_chunking"] = ctx.run([sweep.Job(r, ctx.setup("lvf", slo_chunking=False)) for r in args.rates])
     slow_hw, res["paper_factor"] = paper_speed(ctx, res["fig16"])
     res["fig16_slow"] = fig16(ctx, hw=slow_hw)
@@ -267,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
     claims_pressure = claims([r for r in res["fig16_pressure"] if r["num_hbm_blocks"] == smallest], args.rates)
     figs = write_results(res, out)
     record = {**figs, "claims": claims(res["fig16"], args.rates), "claims_pressure": claims_pressure}
+    record["claims_long"] = claims(res["fig16_long"], LONG_RATES)
     record["paper_factor"] = res["paper_factor"]
     record["setting"] = setting_record(ctx, time.perf_counter() - t0)
     (out / reproduction.ROWS_FILE).write_text(json.dumps(record, indent=1))
@@ -313,7 +330,8 @@ def setting_record(ctx: Ctx, seconds: float) -> dict:
         },
         "num_hbm_blocks": setup.num_hbm_blocks,
         "num_dram_blocks": setup.num_dram_blocks,
-        "sched_time": setup.sched_time,  # "measured": each step takes what schedule() took
+        "sched_time": setup.sched_time,
+        "long_workload": {**asdict(LONG), "num_requests": ctx.args.long_requests},  # "measured": each step takes what schedule() took
         "workload": {
             "num_requests": len(items),
             "mean_prompt_tokens": sum(i.prompt_tokens for i in items) / len(items),

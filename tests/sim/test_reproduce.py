@@ -35,7 +35,9 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path):
     parser = argparse.ArgumentParser()
     reproduce.add_arguments(parser)
     out = tmp_path / "REPRODUCTION.md"
-    args = parser.parse_args(["--num-requests", "60", "--rates", "4,40", "--out", str(out), "--results", str(tmp_path)])
+    args = parser.parse_args(
+        ["--num-requests", "60", "--long-requests", "30", "--rates", "4,40", "--out", str(out), "--results", str(tmp_path)]
+    )
     assert reproduce.run(args) == 0
     md = out.read_text()
     sections = ("The paper's claims, checked", "Fig. 16 ", "Fig. 16 on Llama-3-8B", "Fig. 16 on Mixtral-8x7B",
@@ -52,6 +54,9 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path):
     for blocks in (full, *sizes):
         assert f"| {blocks} | " in md  # one row of leads per operating point
     assert (tmp_path / "fig16.png").stat().st_size > 0
+    assert "The same claims on longer answers (30 requests" in md
+    with (tmp_path / "fig16_long.csv").open() as f:
+        assert {float(r["rate"]) for r in csv.DictReader(f)} == set(reproduce.LONG_RATES)
     with (tmp_path / "fig16_models.csv").open() as f:
         models = list(csv.DictReader(f))
     for key, factor in reproduce.MODEL_ROWS.items():  # each model at its own rates
