@@ -227,7 +227,8 @@ def read_pty(master: int, proc: subprocess.Popen, shown: bytes, timeout: float =
 def test_abort_and_drain(live):
     results, threads = in_background(live, [poem(i) for i in range(3)], 64)
     assert wait_for(lambda: len(live.queues()) == 3, timeout=30)
-    victim = live.queues("--sort", "id")[0]["request_id"]
+    rows = live.queues("--sort", "id")
+    victim, others = rows[0]["request_id"], {row["request_id"] for row in rows[1:]}
 
     r = live.cli("abort", victim)
     assert r.returncode == 1 and "permission_denied" in r.stderr, r
@@ -238,7 +239,6 @@ def test_abort_and_drain(live):
     assert live.cli("drain").returncode == 1
     r = live.cli("drain", "--admin-token", TOKEN)
     assert r.returncode == 0 and "draining" in r.stdout, r
-    in_flight = {row["request_id"] for row in live.queues()}
     status, body = live.complete("Hello", 4)
     assert status == 503, body
     assert json.loads(live.cli("stats", "--json").stdout)["draining"]
@@ -247,8 +247,10 @@ def test_abort_and_drain(live):
     assert r.returncode == 0 and "drained" in r.stdout, r
     for t in threads:
         t.join(timeout=60)
+    # The two others finish whole, whether the drain found them still decoding (they run on)
+    # or a fast machine had finished them before it began.
     finished = {b["id"]: b for status, b in results if status == 200}
-    assert set(finished) == in_flight and len(in_flight) == 2, (in_flight, results)  # they ran on, drained
+    assert set(finished) == others, (others, results)
     assert all(b["usage"]["completion_tokens"] == 64 for b in finished.values()), results
     assert [res[0] for res in results].count(500) == 1  # the aborted one
 
