@@ -298,6 +298,18 @@ def sample_conversations(
     return items
 
 
+def first_turns(items: list[WorkItem], num_conversations: int) -> int:
+    """How many of `items` (turns, each conversation's consecutive) make up its first
+    `num_conversations` conversations."""
+    seen = 0
+    for i, it in enumerate(items):
+        if it.turn == 0:
+            if seen == num_conversations:
+                return i
+            seen += 1
+    return len(items)
+
+
 # ---------------------------------------------------------------- synthetic
 
 

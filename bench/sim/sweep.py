@@ -28,6 +28,7 @@ from bench.live.workload import (
     add_chat_arguments,
     chat_spec,
     draw_arrivals,
+    first_turns,
     load_workload,
 )
 from bench.report.metrics import summarize
@@ -329,10 +330,11 @@ def run(args: argparse.Namespace) -> int:
     timed = args.dataset not in ("sharegpt", "sharegpt-long", "synthetic") and trace_has_arrivals(Path(args.dataset))
     t0 = time.perf_counter()
     rows = []
-    for rate in args.rates:  # with --duration-s, each rate sends rate × duration requests
+    for rate in args.rates:  # with --duration-s, each rate sends rate × duration requests (or conversations)
         mine = [j for j in jobs if j.rate == rate]
-        n = num if args.duration_s is None or args.multi_turn else math.ceil(rate * args.duration_s)
-        rows += sweep(items[:n], mine, args.ttft_slo, args.tbt_slo, args.burstiness, args.seed, args.jobs, not timed)
+        n = num if args.duration_s is None else math.ceil(rate * args.duration_s)
+        mine_items = items[: first_turns(items, n)] if args.multi_turn else items[:n]
+        rows += sweep(mine_items, mine, args.ttft_slo, args.tbt_slo, args.burstiness, args.seed, args.jobs, not timed)
     print(format_rows(rows))
     print(f"{len(rows)} runs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     write_outputs(

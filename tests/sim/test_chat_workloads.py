@@ -4,8 +4,11 @@ cache serves it), and a shared system prompt is shared."""
 
 from __future__ import annotations
 
-from bench.live.workload import WorkItem, draw_arrivals
-from bench.sim import engine
+import argparse
+import json
+
+from bench.live.workload import ChatSpec, WorkItem, draw_arrivals, first_turns
+from bench.sim import engine, sweep
 from bench.sim.costmodel import MODELS, load_hardware
 from services.scheduler.core import SchedulerConfig
 
@@ -46,3 +49,21 @@ def test_requests_with_one_system_prompt_share_it():
     items = draw_arrivals([WorkItem("", 300 + i, 20, 0.0, system=0, system_tokens=256) for i in range(6)], 4.0)
     run = simulate(items, True)
     assert all(r.cached_tokens == 256 for r in run.records[1:])
+
+
+
+def test_a_sweep_of_n_conversations_runs_every_turn_of_each(tmp_path):
+    """`bench sim --multi-turn --num-requests N` counts conversations: the first N, whole."""
+    items = conversations(5, 3, think_s=0.5)
+    assert first_turns(items, 2) == 6
+    assert first_turns(items, 5) == first_turns(items, 9) == len(items)
+
+    p = argparse.ArgumentParser()
+    sweep.add_arguments(p)
+    out = tmp_path / "rows.json"
+    argv = "--multi-turn --num-requests 40 --rates 4 --policies lvf --hbm-blocks 2000 --json".split() + [str(out)]
+    assert sweep.run(p.parse_args(argv)) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    turns = sweep.load_items("sharegpt", 40, 0, chat=ChatSpec(multi_turn=True))
+    assert len({it.conversation for it in turns}) == 40
+    assert row["completed"] == len(turns) > 40

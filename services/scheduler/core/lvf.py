@@ -44,7 +44,7 @@ from .fcfs import schedule_running
 from .policy import PolicyView
 from .request import Request, Status
 from .step import Step
-from .vlt import lag_vlt, running_vlt
+from .vlt import lag_vlt
 
 
 def schedule_lvf(core: PolicyView, step: Step) -> None:
@@ -98,10 +98,11 @@ def admit_by_vlt(
         if core.running:  # leave the running requests room to grow (the first admission needs none)
             need += watermark
         step.num_blocks_wanted += need
-        if memory.num_swap_in_copies(req) > step.moves_left:
+        num_in = memory.num_swap_in_copies(req)
+        if num_in > step.moves_left:
             return  # its swap-in does not fit in this step's copy budget
         if not memory.hbm.can_allocate(need):
-            num_decodes -= _displace(core, step, req, need, _victims(core, step, req, v, tail))
+            num_decodes -= _displace(core, step, need, num_in, _victims(core, step, req, v, tail))
         if not _fits(core, req, need, step):
             if req.has_emitted and core.cfg.rotary_yields:
                 continue
@@ -118,17 +119,16 @@ def _fits(core: PolicyView, req: Request, need: int, step: Step) -> bool:
     return memory.hbm.can_allocate(need)
 
 
-def _displace(core: PolicyView, step: Step, req: Request, need: int, victims: list[Request]) -> int:
-    """Preempt `victims` in order until `req` fits, but only if they can free enough (now,
-    or when their copies are done) and their swaps fit in B_xfer. Returns how many of the
-    victims were decodes.
+def _displace(core: PolicyView, step: Step, need: int, num_in: int, victims: list[Request]) -> int:
+    """Preempt `victims` in order until a request needing `need` HBM blocks and `num_in`
+    swap-in copies fits, but only if they can free enough (now, or when their copies are
+    done) and their swaps fit in B_xfer. Returns how many of the victims were decodes.
 
     A victim that cannot be swapped (DRAM full) is recomputed only if it has sampled a
     token since it last started running: every admission then yields a token, so
     recompute cannot livelock (a long prompt would otherwise be evicted mid-prefill
     again and again)."""
     memory, hbm = core.memory, core.memory.hbm
-    num_in = memory.num_swap_in_copies(req)
     num_freeable = sum(len(r.hbm_blocks) for r in victims)
     if hbm.num_free + hbm.num_deferred + num_freeable < need:
         return 0  # even all of them would not make room: disturb nobody
@@ -147,13 +147,18 @@ def _displace(core: PolicyView, step: Step, req: Request, need: int, victims: li
 def _victims(core: PolicyView, step: Step, req: Request, v: float, tail: list[Request]) -> list[Request]:
     """Who `req`, of VLT `v`, may displace: running requests below it in the order with
     VLT < 0 (not put on the GPU in this step), not scheduled this step and, if `req` has
-    emitted tokens, past their minimum residency; longest-running first."""
+    emitted tokens, past their minimum residency; longest-running first.
+
+    A running request's VLT is minus the time it has run, so both bounds are on that time,
+    which only falls along `tail`: the scan ends at the first request too young (admission
+    tries every paused request each step, so this is the scheduler's hot loop)."""
     now, min_run = step.now, core.cfg.min_residency_s if req.has_emitted else 0.0
-    return [
-        r
-        for r in tail
-        if r.status is Status.RUNNING
-        and running_vlt(r, now) < min(0.0, v)
-        and now - r.run_start >= min_run
-        and not step.is_scheduled(r)
-    ]
+    min_lag = -min(0.0, v)  # running_vlt(r, now) < min(0, v)  <=>  now - r.run_start > min_lag
+    victims = []
+    for r in tail:
+        age = now - r.run_start
+        if age <= min_lag or age < min_run:
+            break
+        if r.status is Status.RUNNING and not step.is_scheduled(r):
+            victims.append(r)
+    return victims

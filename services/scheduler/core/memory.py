@@ -145,12 +145,9 @@ class Memory:
         """A rotary request's full blocks whose content is still in HBM (held by another
         request, cached, or being copied out): block index -> HBM block. Its swap-in takes
         them by reference instead of copying them."""
-        reused: dict[int, int] = {}
-        for i, h in enumerate(req.block_hashes[: self._num_full(req, req.num_computed_tokens)]):
-            b = self.hbm.lookup(h)
-            if b is not None:
-                reused[i] = b
-        return reused
+        lookup = self.hbm.index.get  # BlockPool.lookup, bound once: admission asks this of every paused request
+        hashes = req.block_hashes[: self._num_full(req, req.num_computed_tokens)]
+        return {i: b for i, h in enumerate(hashes) if (b := lookup(h)) is not None}
 
     def _dram_shared(self, req: Request, start: int, num_tokens: int) -> dict[int, int]:
         """Full blocks from `start` among `req`'s first `num_tokens` KV positions whose content
