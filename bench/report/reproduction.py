@@ -13,6 +13,7 @@ from bench.report.rows import (
     PAPER_TABLE1,
     at,
     compare,
+    fig1_rows,
     knob_rows,
     name,
     operating_points,
@@ -35,11 +36,11 @@ def _scheduling(st: dict) -> str:
     return f"Scheduling is modelled at the paper's {st['hardware']['sched_ms']:g} ms per step, overlapped with compute."
 
 
-def attainment_table(rows: list[dict], label) -> list[str]:
+def attainment_table(rows: list[dict], label, unit: str = "req/s") -> list[str]:
     """Rates down, one column per series: 'TTFT / TBT' attainment, means over the seeds
     with each one's spread (max - min) in parentheses."""
     names = list(dict.fromkeys(label(r) for r in rows))
-    lines = ["| rate (req/s) | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    lines = [f"| rate ({unit}) | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
     for rate in sorted({r["rate"] for r in rows}):
         cells = []
         for n in names:
@@ -49,7 +50,8 @@ def attainment_table(rows: list[dict], label) -> list[str]:
     return lines
 
 
-def detail_table(rows: list[dict], first: str, label) -> list[str]:
+def detail_table(rows: list[dict], first: str, label, cached: bool = False) -> list[str]:
+    """One row per run; `cached` adds the share of prompt tokens found in the prefix cache."""
     cols = (
         "ttft_attainment",
         "tbt_attainment",
@@ -62,9 +64,10 @@ def detail_table(rows: list[dict], first: str, label) -> list[str]:
         "num_recomputes",
         "xfer_ms_mean",
         "stall_share",
-    )
+    ) + (("cached_token_share",) if cached else ())
     lines = [
-        f"| {first} | TTFT att. | TBT att. | tok/s | TTFT p50 ms | TTFT p99 ms | TBT p50 ms | TBT p99 ms | preempt. | recomp. | copy ms/step | stall |",
+        f"| {first} | TTFT att. | TBT att. | tok/s | TTFT p50 ms | TTFT p99 ms | TBT p50 ms | TBT p99 ms | preempt. | recomp. | "
+        "copy ms/step | stall |" + (" cached |" if cached else ""),
         "|---|" + "---:|" * len(cols),
     ]
     for r in rows:
@@ -73,6 +76,8 @@ def detail_table(rows: list[dict], first: str, label) -> list[str]:
             if "attainment" in c
             else f"{100 * r[c]:.2f}%"
             if c == "stall_share"
+            else f"{100 * r[c]:.0f}%"
+            if c == "cached_token_share"
             else f"{r[c]:.0f}"
             if isinstance(r[c], (int, float))
             else "n/a"
@@ -200,7 +205,8 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
         f"(mean {w['mean_prompt_tokens']:.0f} prompt / {w['mean_output_tokens']:.0f} output tokens, counted with the bundled "
         "SmolLM2 tokenizer), Poisson arrivals, seeds "
         f"{', '.join(str(x) for x in st.get('seeds', [st['seed']]))} (each seed its own sample and arrivals; every number "
-        "is the mean over the seeds, spreads are max − min); each request generates exactly its ShareGPT answer length.",
+        "is the mean over the seeds, spreads are max − min); each request generates exactly its ShareGPT answer length. "
+        + conversations_setting(st),
         f"- **Scheduler** chunked prefill {cfg['max_batched_tokens']} tokens and {cfg['max_num_seqs']} requests per step "
         "(vLLM V1's defaults on a >= 70 GiB GPU), "
         f"B_xfer {cfg['xfer_budget']}, α {cfg['alpha']:g}, β_F {cfg['beta_f']:g}, β_B {cfg['beta_b']:g}; "
@@ -214,10 +220,12 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
         "",
         "## The paper's claims, checked",
         "",
+        *conversation_claims(res),
+        "On ShareGPT as vLLM's benchmark samples it (single first turns; no memory pressure at 144 GB, below):",
+        "",
         *claims_table(res["claims"]),
         "",
         *pressure_claims(res),
-        *long_claims(res),
         *discussion(res, hi),
         "",
         *baselines_section(res, hi),
@@ -235,8 +243,8 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
         *detail_table([r for r in r16 if r["rate"] == hi], "policy", policy_label),
         "",
         *chunking_table(res),
-        "**Baselines on naive copies** (the rate of vLLM's stock swap, ~10 GB/s; still overlapped with compute as "
-        "our pipeline does), LVF on DuplexKV:",
+        "**Baselines on vLLM's swap path** (`vllm`: its small copies, ~10 GB/s, the step waiting for them), LVF on "
+        "DuplexKV:",
         "",
         *attainment_table(res["fig16_systems"], policy_label),
         "",
@@ -251,7 +259,7 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
     ]
     L += render_models(res)
     L += render_pressure(res)
-    L += render_fig1(res, hi)
+    L += render_fig1(res)
     L += render_rest(res, hi)
     L += simlive.markdown(simlive_runs)
     return "\n".join(L) + "\n"
@@ -296,20 +304,38 @@ def pressure_claims(res: dict) -> list[str]:
     ]
 
 
-def long_claims(res: dict) -> list[str]:
-    """The claims on the longer answers, with their Fig. 16 (rows written before they were
-    run have none)."""
-    if "claims_long" not in res:
-        return []
-    rows, w = res["fig16_long"], res["setting"]["long_workload"]
+def conversations_setting(st: dict) -> str:
+    """The conversations workload, as the setting paragraph tells it."""
+    c = st["conversations"]
+    return (
+        f"**ShareGPT conversations** (where the KV-cache fills; claims first below): {c['num_conversations']} "
+        f"conversations per seed ({c['num_turns']} turns) replayed turn by turn at their real lengths (up to a 32k "
+        f"context), each turn's prompt the whole history (mean {c['mean_prompt_tokens']:.0f} prompt / "
+        f"{c['mean_output_tokens']:.0f} output tokens a turn; a conversation ends at {c['mean_context_tokens']:.0f} "
+        f"tokens of context on average, {c['max_context_tokens']} at most), the next turn sent {c['think_s']:g} s after "
+        "the previous one ends; conversations arrive by Poisson at "
+        f"{', '.join(f'{r:g}' for r in c['rates'])} per second; prefix caching on for every policy (vLLM V1's default)."
+    )
+
+
+def conversation_claims(res: dict) -> list[str]:
+    """The claims on the ShareGPT conversations, with their Fig. 16."""
+    rows = res["fig16_conv"]
+    hi = max(r["rate"] for r in rows)
     return [
-        f"The same claims on longer answers ({w['num_requests']} requests of {w['input_len']} prompt tokens and "
-        f"{w['output_len']} answer tokens ± {100 * w['spread']:g}%, synthetic, at {rows[0]['num_hbm_blocks']} HBM "
-        "blocks), where the KV-cache fills before the GPU's compute does:",
+        "On ShareGPT conversations, where memory pressure arises across the swept rates as in the paper "
+        f"({rows[0]['num_hbm_blocks']} HBM blocks, the paper's 144 GB; rates in conversations/s, each ~"
+        f"{rows[0]['completed'] / max(res['setting']['conversations']['num_conversations'], 1):.1f} requests):",
         "",
-        *claims_table(res["claims_long"]),
+        *claims_table(res["claims_conv"]),
         "",
-        *attainment_table(rows, policy_label),
+        "Fig. 16 on the conversations (TTFT / TBT attainment, spread in parentheses; `(vllm)`: on vLLM's swap path):",
+        "",
+        *attainment_table(rows, policy_label, "conversations/s"),
+        "",
+        f"At {hi:g} conversations/s (`cached`: prompt tokens found in the prefix cache):",
+        "",
+        *detail_table([r for r in rows if r["rate"] == hi], "policy", policy_label, cached=True),
         "",
     ]
 
@@ -373,11 +399,11 @@ def lead_cell(rows: list[dict], baselines) -> str:
     return f"**{lead:+.1f}** at {rate:g} req/s (TBT {tbt_gap:.1f} below){deficit}"
 
 
-def render_fig1(res: dict, hi: float) -> list[str]:
-    rows = [at(res["fig16"], p, hi) for p in ("wf", "sf", "fcfs")]
+def render_fig1(res: dict) -> list[str]:
+    rows = fig1_rows(res)
     wf, sf, fcfs = rows
     return [
-        f"## Fig. 1 — WF vs SF under memory pressure ({hi:g} req/s)",
+        f"## Fig. 1 — WF vs SF under memory pressure ({fcfs['rate']:g} conversations/s, vLLM's swap path)",
         "",
         "Paper: waiting-first gets better TTFT but worse TBT; swapped-first keeps TBT steady with TTFT close to FCFS.",
         "",
@@ -399,14 +425,19 @@ def render_rest(res: dict, hi: float) -> list[str]:
     d = st["scheduler"]["xfer_budget"]
     abl = lambda r: f"LVF {r['transfer_mode']} B_xfer={r['xfer_budget']}"  # noqa: E731
     knob = lambda k: lambda r: f"{k}={r[k]:g}"  # noqa: E731
-    lvf = at(res["fig16"], "lvf", hi)
+    top = max(r["rate"] for r in res["fig17"])
+    lvf = at(res["fig17"], "lvf", top, transfer_mode="duplex")
     t1 = res["table1"]
     L = [
-        "## Fig. 17 — ablation: LVF with naive copies (small and large B_xfer) vs LVF with DuplexKV",
+        "## Fig. 17 — ablation: LVF on vLLM's swap path (the paper's and a large B_xfer) vs LVF with DuplexKV",
         "",
-        f"Small B_xfer = {min(r['xfer_budget'] for r in res['fig17'])} blocks (what naive copies move in about one step), large = {d}.",
+        f"On the ShareGPT conversations (rates in conversations/s). B_xfer {min(r['xfer_budget'] for r in res['fig17'])} "
+        f"blocks (the paper's) and {d} on vLLM's swap path (`vllm`: small copies, the step waits for them, no eager "
+        "rotation), then DuplexKV. Copies per step: mean ms of link time.",
         "",
-        *attainment_table(res["fig17"], abl),
+        *attainment_table(res["fig17"], abl, "conversations/s"),
+        "",
+        *detail_table([r for r in res["fig17"] if r["rate"] == top], "variant", abl),
         "",
         "![Fig. 17](results/fig17.png)",
         "",
@@ -431,7 +462,7 @@ def render_rest(res: dict, hi: float) -> list[str]:
         "|---|---:|---:|---|",
         *[f"| {r['mode']} | {r['ms']:.1f} | {r['gbs_total']:.1f} | {PAPER_TABLE1.get(r['mode'], '')} |" for r in t1],
         "",
-        "## Per-step costs (LVF at the highest rate)",
+        f"## Per-step costs (LVF on DuplexKV, conversations at {top:g}/s)",
         "",
         "| | paper (GH200) | ours (simulated gh200) |",
         "|---|---:|---:|",

@@ -31,6 +31,14 @@ def operating_points(res: dict) -> dict[int, list[dict]]:
     return out
 
 
+def fig1_rows(res: dict) -> list[dict]:
+    """WF and SF on vLLM's swap path and vLLM V1's FCFS, on the conversations at their
+    highest rate."""
+    rows = res["fig16_conv"]
+    hi = max(r["rate"] for r in rows)
+    return [at(rows, "wf", hi, transfer_mode="vllm"), at(rows, "sf", hi, transfer_mode="vllm"), at(rows, "fcfs", hi)]
+
+
 def dig(d, path: tuple[str, ...]):
     """The value at `path` (keys, outermost first) in nested dicts, or None where one is missing."""
     for key in path:

@@ -22,7 +22,8 @@ Copies are priced from the bytes moved, the link's efficiency at the copy's segm
 (interpolated on log size) and the transfer mode: `naive` copies one layer's K or V of one
 block at a time, `merged` one block, `batched` one call per direction; all three run the
 two directions in series. `duplex` runs both directions at once, together capped by the
-host DRAM bandwidth.
+host DRAM bandwidth. `vllm` is vLLM's swap path: `naive`'s copies, and the step's compute
+waits for all of them (engine.py: the worker swaps before it runs the model).
 
 Profiles live in bench/profiles/*.json; model shapes are below.
 """
@@ -38,7 +39,8 @@ from pathlib import Path
 from shared import config
 
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
-MODES = ("naive", "merged", "batched", "duplex")
+MODES = ("naive", "merged", "batched", "duplex")  # the transfer engine's (services/worker/transfer.py)
+SIM_MODES = (*MODES, "vllm")  # and vLLM's swap path, for its baselines
 GB = 1e9
 
 
@@ -321,9 +323,9 @@ class XferTime:
 
 def direction_rate(hw: Hardware, model: ModelShape, mode: str, num_blocks: int, block_size: int) -> float:
     """Bytes/s of one direction copying `num_blocks` blocks alone in `mode`."""
-    if mode not in MODES:
-        raise ValueError(f"unknown transfer mode {mode!r}; one of {', '.join(MODES)}")
-    if mode == "naive":
+    if mode not in SIM_MODES:
+        raise ValueError(f"unknown transfer mode {mode!r}; one of {', '.join(SIM_MODES)}")
+    if mode in ("naive", "vllm"):
         segment = model.kv_segment_bytes(block_size, hw.dtype_bytes)
     elif mode == "merged":
         segment = model.kv_block_bytes(block_size, hw.dtype_bytes)

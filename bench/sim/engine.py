@@ -24,7 +24,9 @@ writes until t's compute is done; the model does not, and with eager rotation th
 mostly the one dirty block of each preempted request.) Without it (the `cpu` profile, as
 the live worker executes plans one after the other) a step's copies start after the
 previous step is done, both directions at once, compute waits for the swap-ins, and the
-step ends when compute and the out-direction copies are both done.
+step ends when compute and the out-direction copies are both done. On vLLM's swap path
+(transfer mode `vllm`) a step's copies start once the previous step is done and its compute
+waits for both directions: the worker swaps before it runs the model.
 
 A profile measured on the live server (`bench simlive`) adds two of its terms here: the
 worker's gap between two steps (`step_gap_ms`: a step starts that long after the previous
@@ -80,13 +82,17 @@ class Clock:
         in_s: float,
         xfer_s: float,
         reads_in: bool,
+        blocking: bool = False,
     ) -> tuple[float, float]:
         """(compute start, step end) of a step planned at `plan_at` after a step ending at
-        `prev_end` (`plan_at` itself when the worker is idle)."""
+        `prev_end` (`plan_at` itself when the worker is idle). `blocking` (vLLM's swap path):
+        the copies start once the previous step is done and compute waits for all of them."""
         ready = plan_at + sched_s
-        link_start = max(ready, self.link_free if self.overlap_copies else max(self.link_free, prev_end))
+        overlap = self.overlap_copies and not blocking
+        link_start = max(ready, self.link_free if overlap else max(self.link_free, prev_end))
         self.link_free = link_start + xfer_s
-        start = max(prev_end + self.gap_s, ready, link_start + in_s if reads_in else ready)
+        copied = link_start + xfer_s if blocking else link_start + in_s if reads_in else ready
+        start = max(prev_end + self.gap_s, ready, copied)
         end = start + compute_s
         return start, end if self.overlap_copies else max(end, self.link_free)
 
@@ -208,7 +214,9 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         busy = driver.in_flight[-1] if driver.in_flight else None
         prev_end = busy.end if busy is not None else step.now
         sched_s = schedule_s if fixed_sched is None else fixed_sched
-        start, end = clock.step(step.now, prev_end, sched_s, compute_s, x.in_s, x.total_s, bool(plan.swap_in))
+        start, end = clock.step(
+            step.now, prev_end, sched_s, compute_s, x.in_s, x.total_s, bool(plan.swap_in), setup.transfer_mode == "vllm"
+        )
         run.stall_s += start - prev_end if busy is not None else 0.0
         run.step_ms.append((end - prev_end) * 1e3)
         run.step_end_s.append(end)
@@ -357,4 +365,6 @@ def make_setup(
     num_hbm, num_dram = num_kv_blocks(hw, model, cfg.block_size)
     dram = num_dram if dram is None else dram
     cfg = cfg.for_device(on_cpu=not hw.pipeline)  # a profile without the pipeline is a CPU's
+    if mode == "vllm":  # vLLM's swap path copies a request's KV when it is preempted, never ahead
+        cfg = replace(cfg, eager_rotation=False)
     return SimSetup(cfg, hw, model, mode, hbm or num_hbm, dram, sched_time, check, depth, max_tokens, predictor_noise)

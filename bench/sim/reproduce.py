@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.live import workload
-from bench.live.workload import SyntheticSpec
+from bench.live.workload import ChatSpec
 from bench.report import plots, reproduction
 from bench.report.metrics import RequestRecord
 from bench.report.rows import BASELINES, PAPER_STEP, at, compare, mean_rows, name, pct
@@ -33,16 +33,17 @@ from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 HERE = Path(__file__).resolve().parents[1]  # bench/
 RATES = (4, 8, 12, 16, 20)
 MAX_TOKENS = 2048  # what the clients ask as max_tokens (a chat front-end's cap); outputs end at their true length
-SMALL_BXFER = 96  # blocks naive copies move in about one step's compute (~40 ms at ~9.5 GB/s)
+VLLM_BXFER = 300  # the paper's B_xfer on vLLM's swap path (Fig. 17)
 BXFER_SWEEP = (24, 96, 384, 1200, 2400, 4800)
 # Fig. 16's other models, each at the Qwen rates times its factor: about where each model's
 # compute saturates on gh200 as 20 req/s is where Qwen2.5-32B's does (its output tok/s stops rising).
 MODEL_ROWS = {"llama3-8b": 5.0, "mixtral-8x7b": 2.5}
-# Fig. 16 once more with longer answers (512-token prompts, 1,024-token answers ± 50%), where the
-# KV-cache fills before the GPU's compute does on the paper's 144 GB (ShareGPT's answers do not).
-LONG = SyntheticSpec(input_len=512, output_len=1024, dist="uniform", spread=0.5)
-LONG_REQUESTS, LONG_RATES = 400, (3, 6, 9)
-PRESSURE = (0.5, 0.3)  # Fig. 16 again with the HBM pool cut to these shares of the profile's
+# ShareGPT conversations turn by turn, each turn's prompt the whole history (their real lengths, up
+# to a 32k context), arriving at these rates (conversations/s): on the paper's 144 GB the KV-cache
+# fills before the GPU's compute does, where ShareGPT's single first turns never fill it.
+CONVERSATIONS, CONV_RATES = 800, (2, 4, 6, 8, 10)
+CHAT = ChatSpec(multi_turn=True)
+PRESSURE = (0.3,)  # Fig. 16 again with the HBM pool cut to these shares of the profile's
 KNOB_SWEEPS = {
     "alpha": (0.5, 1.0, 3.0, 5.0, 10.0),
     "beta_f": (0.0, 0.25, 0.5, 0.75, 1.0),
@@ -63,6 +64,7 @@ class Ctx:
         self.items = self.items_by_seed[args.seed]
         self.num_runs = 0
         self._rows: dict[str, dict] = {}  # Ctx.run's rows by job
+        self._conversations: dict[int, list] | None = None
 
     def setup(
         self, policy: str, mode: str = "duplex", hw=None, hbm: int | None = None, model=None, **knobs
@@ -85,25 +87,29 @@ class Ctx:
 
     def run(self, jobs: list[sweep.Job], workload: str = "sharegpt") -> list[dict]:
         """One row per job: its mean over the seeds, with the spreads (rows.mean_rows), on the
-        ShareGPT requests or ("long") the longer answers. A job run before (the same workload,
+        ShareGPT requests or the ShareGPT `conversations`. A job run before (the same workload,
         rate and setup in another figure) is not run again."""
         key = lambda j: repr((workload, j.rate, j.setup))  # noqa: E731
         new = list({key(j): j for j in jobs if key(j) not in self._rows}.values())
         self.num_runs += len(new) * len(self.seeds)
         if new:
-            items = self.items_by_seed if workload == "sharegpt" else self.long_items()
+            items = self.items_by_seed if workload == "sharegpt" else self.conversations()
             rows = mean_rows(sweep.sweep_seeds(items, new, 5.0, 0.1, num_procs=self.args.jobs))
             self._rows.update(zip(map(key, new), rows))
         return [self._rows[key(j)] for j in jobs]
 
-    def long_items(self) -> dict[int, list]:
-        return {s: sweep.load_items("synthetic", self.args.long_requests, s, synthetic=LONG) for s in self.seeds}
+    def conversations(self) -> dict[int, list]:
+        """Each seed's ShareGPT conversations (CHAT), loaded on first use."""
+        if self._conversations is None:
+            n = self.args.conversations
+            self._conversations = {s: sweep.load_items("sharegpt-long", n, s, chat=CHAT) for s in self.seeds}
+        return self._conversations
 
     def records(self, setup: engine.SimSetup, rate: float) -> list[RequestRecord]:
-        bare = [replace(it, prompt="") for it in self.items]
-        items = workload.with_arrivals(bare, workload.arrival_times(len(bare), rate, 1.0, self.args.seed))
+        """One run's requests (the first seed's conversations), for the CDFs of Fig. 1."""
+        bare = [replace(it, prompt="") for it in self.conversations()[self.args.seed]]
         self.num_runs += 1
-        return engine.simulate(items, setup).records
+        return engine.simulate(workload.draw_arrivals(bare, rate, 1.0, self.args.seed), setup).records
 
 
 # ---------------------------------------------------------------- experiments
@@ -129,9 +135,13 @@ def fig16_models(ctx: Ctx) -> list[dict]:
     return ctx.run(jobs)
 
 
-def fig16_long(ctx: Ctx) -> list[dict]:
-    """Fig. 16's policies on the longer answers (LONG), Qwen2.5-32B on gh200."""
-    return ctx.run([sweep.Job(r, ctx.setup(p)) for p in POLICIES for r in LONG_RATES], workload="long")
+def fig16_conv(ctx: Ctx) -> list[dict]:
+    """Fig. 16's policies on the ShareGPT conversations, prefix caching on for all (vLLM V1's
+    default; a later turn's history is then found in HBM if it is still there), on our copy
+    engine; then sf and wf once more on vLLM's swap path, as vLLM runs them."""
+    jobs = [sweep.Job(r, ctx.setup(p, enable_prefix_caching=True)) for p in POLICIES for r in CONV_RATES]
+    jobs += [sweep.Job(r, ctx.setup(p, "vllm", enable_prefix_caching=True)) for p in ("sf", "wf") for r in CONV_RATES]
+    return ctx.run(jobs, "conversations")
 
 
 def paper_speed(ctx: Ctx, rows16: list[dict]):
@@ -157,20 +167,36 @@ def pressure(ctx: Ctx) -> list[dict]:
     return [r for share in PRESSURE for r in fig16(ctx, hbm=round(full * share))]
 
 
+def conv_ablation(ctx: Ctx) -> list[dict]:
+    """Where LVF's lead on the conversations comes from, at their highest rate: LVF without its
+    admission watermark, and LVF and vllm-v1 without prefix caching."""
+    top = max(CONV_RATES)
+    jobs = [sweep.Job(top, ctx.setup("lvf", admit_watermark=0.0, enable_prefix_caching=True))]
+    jobs += [sweep.Job(top, ctx.setup(p, enable_prefix_caching=False)) for p in ("lvf", "fcfs")]
+    return ctx.run(jobs, "conversations")
+
+
 def fig1(ctx: Ctx, rate: float, out: Path) -> dict:
-    recs = {p: ctx.records(ctx.setup(p), rate) for p in ("wf", "sf", "fcfs")}
+    """WF and SF on vLLM's swap path, and vLLM V1's FCFS, on the conversations."""
+    recs = {
+        p: ctx.records(ctx.setup(p, "duplex" if p == "fcfs" else "vllm", enable_prefix_caching=True), rate)
+        for p in ("wf", "sf", "fcfs")
+    }
     plots.plot_policy_cdfs(recs, out / "fig1_wf_vs_sf_cdf.png")
     return recs
 
 
 def fig17(ctx: Ctx) -> list[dict]:
-    variants = [
-        ("naive", SMALL_BXFER),
-        ("naive", ctx.hw.defaults["xfer_budget"]),
-        ("duplex", ctx.hw.defaults["xfer_budget"]),
+    """LVF on vLLM's swap path with the paper's B_xfer and with a large one, and on DuplexKV,
+    on the conversations (where it rotates)."""
+    large = ctx.hw.defaults["xfer_budget"]
+    variants = [("vllm", VLLM_BXFER), ("vllm", large), ("duplex", large)]
+    jobs = [
+        sweep.Job(r, ctx.setup("lvf", mode, xfer_budget=b, enable_prefix_caching=True))
+        for mode, b in variants
+        for r in CONV_RATES
     ]
-    jobs = [sweep.Job(r, ctx.setup("lvf", mode, xfer_budget=b)) for mode, b in variants for r in ctx.args.rates]
-    return ctx.run(jobs)
+    return ctx.run(jobs, "conversations")
 
 
 def fig21(ctx: Ctx, rate: float) -> list[dict]:
@@ -198,7 +224,7 @@ def table1(ctx: Ctx) -> list[dict]:
 # ---------------------------------------------------------------- checks
 
 
-def claims(rows: list[dict], rates) -> list[tuple[str, str, bool]]:
+def claims(rows: list[dict], rates, unit: str = "req/s") -> list[tuple[str, str, bool]]:
     """The paper's Fig. 16 claims as the issue states them, checked on our rows (means over
     the seeds; a difference within the spread is a tie): (claim, what we measured, holds)."""
     hi, lo = max(rates), min(rates)
@@ -207,7 +233,7 @@ def claims(rows: list[dict], rates) -> list[tuple[str, str, bool]]:
     best = max((at(rows, p, hi) for p in POLICIES), key=lambda r: r["tbt_attainment"])
     tbt_gap, tbt_spread = compare(best, lvf, "tbt_attainment")
     beaten = [
-        f"{name(p)} at {r:g} req/s"
+        f"{name(p)} at {r:g} {unit}"
         for r in rates
         for p in BASELINES
         if all(d > s for d, s in (compare(at(rows, p, r), at(rows, "lvf", r), k) for k in ("ttft_attainment", "tbt_attainment")))
@@ -216,12 +242,12 @@ def claims(rows: list[dict], rates) -> list[tuple[str, str, bool]]:
     spread = 100 * max(max(r[k] for r in low) - min(r[k] for r in low) for k in ("ttft_attainment", "tbt_attainment"))
     return [
         (
-            f"at {hi:g} req/s LVF's TTFT attainment is >= vllm-v1's + 30 points",
+            f"at {hi:g} {unit} LVF's TTFT attainment is >= vllm-v1's + 30 points",
             f"LVF {pct(lvf['ttft_attainment'])} vs vllm-v1 {pct(v1['ttft_attainment'])}: {gap:+.1f} points (spread {gap_spread:.1f})",
             gap >= 30,
         ),
         (
-            f"at {hi:g} req/s LVF's TBT attainment is within 5 points of the best policy's",
+            f"at {hi:g} {unit} LVF's TBT attainment is within 5 points of the best policy's",
             f"LVF {pct(lvf['tbt_attainment'])}, best {name(best['policy'])} {pct(best['tbt_attainment'])}: "
             f"{tbt_gap:.1f} points below (spread {tbt_spread:.1f})",
             tbt_gap <= 5,
@@ -231,7 +257,7 @@ def claims(rows: list[dict], rates) -> list[tuple[str, str, bool]]:
             "none does" if not beaten else "beaten by " + ", ".join(beaten),
             not beaten,
         ),
-        (f"at {lo:g} req/s all policies tie", f"largest difference {spread:.1f} points", spread <= 1.0),
+        (f"at {lo:g} {unit} all policies tie", f"largest difference {spread:.1f} points", spread <= 1.0),
     ]
 
 
@@ -241,7 +267,7 @@ def claims(rows: list[dict], rates) -> list[tuple[str, str, bool]]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=1000, help="ShareGPT requests per run (default %(default)s)")
     p.add_argument(
-        "--long-requests", type=int, default=LONG_REQUESTS, help="requests per run on the longer answers (default %(default)s)"
+        "--conversations", type=int, default=CONVERSATIONS, help="ShareGPT conversations per run (default %(default)s)"
     )
     p.add_argument("--rates", type=sweep._floats, default=list(RATES), help="requests/s (default 4,8,12,16,20)")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
@@ -267,14 +293,15 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     hi = max(args.rates)
     res: dict = {"fig16": fig16(ctx)}
-    res["fig16_systems"] = fig16(ctx, baseline_mode="naive", policies=SWAPPING)  # the others copy nothing
+    res["fig16_systems"] = fig16(ctx, baseline_mode="vllm", policies=SWAPPING)  # the others copy nothing
     res["fig16_models"] = fig16_models(ctx)
-    res["fig16_long"] = fig16_long(ctx)
+    res["fig16_conv"] = fig16_conv(ctx)
+    res["fig16_conv_ablation"] = conv_ablation(ctx)
     res["fig16_no_chunking"] = ctx.run([sweep.Job(r, ctx.setup("lvf", slo_chunking=False)) for r in args.rates])
     slow_hw, res["paper_factor"] = paper_speed(ctx, res["fig16"])
     res["fig16_slow"] = fig16(ctx, hw=slow_hw)
     res["fig16_pressure"] = pressure(ctx)
-    fig1(ctx, hi, out)
+    fig1(ctx, max(CONV_RATES), out)
     res["fig17"] = fig17(ctx)
     res["fig21"] = fig21(ctx, hi)
     res["knobs"] = knob_sweeps(ctx, hi)
@@ -283,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     claims_pressure = claims([r for r in res["fig16_pressure"] if r["num_hbm_blocks"] == smallest], args.rates)
     figs = write_results(res, out)
     record = {**figs, "claims": claims(res["fig16"], args.rates), "claims_pressure": claims_pressure}
-    record["claims_long"] = claims(res["fig16_long"], LONG_RATES)
+    record["claims_conv"] = claims([r for r in res["fig16_conv"] if r["transfer_mode"] == "duplex"], CONV_RATES, "conversations/s")
     record["paper_factor"] = res["paper_factor"]
     record["setting"] = setting_record(ctx, time.perf_counter() - t0)
     (out / reproduction.ROWS_FILE).write_text(json.dumps(record, indent=1))
@@ -331,7 +358,7 @@ def setting_record(ctx: Ctx, seconds: float) -> dict:
         "num_hbm_blocks": setup.num_hbm_blocks,
         "num_dram_blocks": setup.num_dram_blocks,
         "sched_time": setup.sched_time,
-        "long_workload": {**asdict(LONG), "num_requests": ctx.args.long_requests},  # "measured": each step takes what schedule() took
+        "conversations": conversation_record(ctx.conversations()[ctx.args.seed]),
         "workload": {
             "num_requests": len(items),
             "mean_prompt_tokens": sum(i.prompt_tokens for i in items) / len(items),
@@ -341,6 +368,21 @@ def setting_record(ctx: Ctx, seconds: float) -> dict:
             "long_mean_output_tokens": sum(i.output_tokens for i in long) / len(long),
         },
         "scheduler": asdict(setup.cfg),
+    }
+
+
+def conversation_record(items: list) -> dict:
+    """The conversations' shape, as the setting paragraph tells it."""
+    last = {it.conversation: it for it in items}.values()  # each conversation's last turn
+    return {
+        "num_conversations": len(last),
+        "num_turns": len(items),
+        "rates": list(CONV_RATES),
+        "think_s": CHAT.think_s,
+        "mean_prompt_tokens": sum(i.prompt_tokens for i in items) / len(items),
+        "mean_output_tokens": sum(i.output_tokens for i in items) / len(items),
+        "mean_context_tokens": sum(i.prompt_tokens + i.output_tokens for i in last) / len(last),
+        "max_context_tokens": max(i.prompt_tokens + i.output_tokens for i in last),
     }
 
 

@@ -236,7 +236,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--predictor-noise", type=float, default=1.0, help="ltr: log-normal sigma of the output-length predictor"
     )
-    p.add_argument("--transfer-mode", type=_strs, default=["duplex"], help="naive, merged, batched, duplex")
+    p.add_argument("--transfer-mode", type=_strs, default=["duplex"], help="naive, merged, batched, duplex, vllm (vLLM's swap path)")
     p.add_argument("--max-batched-tokens", type=int, default=None, help="default: the profile's")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the profile's")
     p.add_argument("--block-size", type=int, default=d.block_size)

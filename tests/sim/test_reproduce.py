@@ -36,7 +36,7 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path):
     reproduce.add_arguments(parser)
     out = tmp_path / "REPRODUCTION.md"
     args = parser.parse_args(
-        ["--num-requests", "60", "--long-requests", "30", "--rates", "4,40", "--out", str(out), "--results", str(tmp_path)]
+        ["--num-requests", "60", "--conversations", "20", "--rates", "4,40", "--out", str(out), "--results", str(tmp_path)]
     )
     assert reproduce.run(args) == 0
     md = out.read_text()
@@ -54,9 +54,15 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path):
     for blocks in (full, *sizes):
         assert f"| {blocks} | " in md  # one row of leads per operating point
     assert (tmp_path / "fig16.png").stat().st_size > 0
-    assert "The same claims on longer answers (30 requests" in md
-    with (tmp_path / "fig16_long.csv").open() as f:
-        assert {float(r["rate"]) for r in csv.DictReader(f)} == set(reproduce.LONG_RATES)
+    assert "On ShareGPT conversations, where memory pressure arises" in md
+    assert "20 conversations per seed" in md
+    with (tmp_path / "fig16_conv.csv").open() as f:
+        conv = list(csv.DictReader(f))
+    assert {float(r["rate"]) for r in conv} == set(reproduce.CONV_RATES)
+    assert {(r["policy"], r["transfer_mode"]) for r in conv} == {
+        *((p, "duplex") for p in POLICIES), ("sf", "vllm"), ("wf", "vllm")
+    }
+    assert all(float(r["completed"]) > 20 for r in conv)  # every turn of each conversation ran
     with (tmp_path / "fig16_models.csv").open() as f:
         models = list(csv.DictReader(f))
     for key, factor in reproduce.MODEL_ROWS.items():  # each model at its own rates
