@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
+from collections.abc import Iterable
 
 
 class BlockPool:
@@ -81,6 +82,7 @@ class BlockPool:
         # (LRU first). `_busy`: cached blocks an in-flight step touches (block -> step id).
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.index: dict[bytes, int] = {}
+        self.index_version = 0  # changes whenever `index` does (for memos of lookups)
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._busy: dict[int, int] = {}
         self._busy_steps: list[tuple[int, list[int]]] = []
@@ -169,12 +171,14 @@ class BlockPool:
         if self.hash_of[b] is None and h not in self.index:
             self.hash_of[b] = h
             self.index[h] = b
+            self.index_version += 1
 
     def unhash(self, b: int) -> None:
         h = self.hash_of[b]
         if h is not None:
             del self.index[h]
             self.hash_of[b] = None
+            self.index_version += 1
 
     def lookup(self, h: bytes) -> int | None:
         return self.index.get(h)
@@ -182,6 +186,10 @@ class BlockPool:
     def is_cached(self, b: int) -> bool:
         """No request holds `b` and it is free for allocation (reviving it takes a free block)."""
         return b in self._cached
+
+    def count_cached(self, blocks: Iterable[int]) -> int:
+        """How many of `blocks` are cached (admission counts this for every candidate)."""
+        return sum(map(self._cached.__contains__, blocks))
 
     def is_clean(self, b: int) -> bool:
         """`b` is cached and no step in flight touches it (it counts in `num_clean`)."""

@@ -34,6 +34,7 @@ class Memory:
         # `blocks_to_admit`: preempting victims in between may turn blocks they held into
         # cached ones, which then cost a free block more than that count said.
         self._num_revived: dict[str, int] = {}
+        self._reuse_memo: tuple[tuple, dict[int, int]] = ((), {})  # hbm_reuse's last answer, by its inputs
 
     # ------------------------------------------------------------ growth
 
@@ -65,7 +66,7 @@ class Memory:
 
     def _num_revived_of(self, hits: Iterable[int]) -> int:
         """Cached blocks among `hits`: taking one back takes a free block."""
-        return sum(1 for b in hits if self.hbm.is_cached(b))
+        return self.hbm.count_cached(hits)
 
     # ------------------------------------------------------------ prefix cache
 
@@ -145,9 +146,13 @@ class Memory:
         """A rotary request's full blocks whose content is still in HBM (held by another
         request, cached, or being copied out): block index -> HBM block. Its swap-in takes
         them by reference instead of copying them."""
-        lookup = self.hbm.index.get  # BlockPool.lookup, bound once: admission asks this of every paused request
-        hashes = req.block_hashes[: self._num_full(req, req.num_computed_tokens)]
-        return {i: b for i, h in enumerate(hashes) if (b := lookup(h)) is not None}
+        num_full = self._num_full(req, req.num_computed_tokens)
+        key = (req.request_id, num_full, self.hbm.index_version)
+        if self._reuse_memo[0] != key:  # admission asks this of every paused request, several times in a row
+            lookup = self.hbm.index.get  # BlockPool.lookup, bound once
+            hashes = req.block_hashes[:num_full]
+            self._reuse_memo = (key, {i: b for i, h in enumerate(hashes) if (b := lookup(h)) is not None})
+        return dict(self._reuse_memo[1])
 
     def _dram_shared(self, req: Request, start: int, num_tokens: int) -> dict[int, int]:
         """Full blocks from `start` among `req`'s first `num_tokens` KV positions whose content
