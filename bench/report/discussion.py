@@ -5,6 +5,7 @@ from __future__ import annotations
 from bench.report.rows import (
     BASELINES,
     PAPER_STEP,
+    SYSTEMS,
     at,
     compare,
     fig1_rows,
@@ -15,7 +16,6 @@ from bench.report.rows import (
     tbt_behind,
     verdict,
 )
-from services.scheduler.core import POLICIES
 
 
 BEST_WHY = {  # why a baseline is the best at TTFT, where the rows make it so
@@ -99,7 +99,7 @@ def chunking_bullet(res: dict, hi: float) -> str:
     """TBT at the highest rate: the baselines' chunks against LVF's SLO chunking."""
     r16 = res["fig16"]
     lvf, wf = at(r16, "lvf", hi), at(r16, "wf", hi)
-    base = [at(r16, p, hi)["tbt_attainment"] for p in POLICIES if p not in ("lvf", "trtllm", "ltr")]
+    base = [at(r16, p, hi)["tbt_attainment"] for p in SYSTEMS if p not in ("lvf", "trtllm", "ltr")]
     text = (
         f"- **TBT and the prefill chunk.** With vLLM V1's {res['setting']['scheduler']['max_batched_tokens']}-token chunk a step carrying "
         "several prompts takes longer than 100 ms and every decode in it misses the SLO: at "
@@ -198,7 +198,7 @@ def discussion(res: dict, hi: float) -> list[str]:
     slead, slead_rate, slead_base = best_lead(slow)
     pressure = first_pressure(r16)
     spressure = first_pressure(slow)
-    best = max((at(r16, p, hi) for p in POLICIES if p != "lvf"), key=lambda r: r["ttft_attainment"])
+    best = max((at(r16, p, hi) for p in SYSTEMS if p != "lvf"), key=lambda r: r["ttft_attainment"])
     same = all(r["ttft_attainment"] == at(r16, r["policy"], r["rate"])["ttft_attainment"] for r in res["fig16_systems"])
     conv = at(res["fig17"], "lvf", max(r["rate"] for r in res["fig17"]), transfer_mode="duplex")
     rot = conv["num_preemptions"] / max(conv["num_steps"], 1)

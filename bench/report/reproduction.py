@@ -118,6 +118,12 @@ BASELINE_NOTES = {
     "requests admitted in deadline order while they fit.",
     "sf": "swapped-first (vLLM V0's order): preempted requests swap to DRAM and come back before any waiting one.",
     "wf": "waiting-first: the same swap preemption, waiting requests admitted before swapped ones.",
+    "neo": "NEO's CPU offloading on vLLM V1's scheduling (our `fcfs`), as a cost-model term: the KV-cache grows by "
+    "{neo} blocks in host DRAM, as many as the Grace CPU's decode attention reads (DRAM bandwidth at the GPU's "
+    "memory-bound efficiency) in the time the GPU's decode step takes with HBM full of KV; KV beyond HBM lies on the "
+    "host, and its share of each step's decode attention runs on the CPU beside the GPU's work, the step taking the "
+    "longer of the two (NEO's asymmetric pipeline, its overlap taken as perfect; the copy of a prompt's KV to the "
+    "host is not charged).",
 }
 
 
@@ -126,6 +132,7 @@ def baselines_section(res: dict, hi: float) -> list[str]:
     st, r16 = res["setting"], res["fig16"]
     noise = st.get("predictor_noise", 1.0)
     lvf = at(r16, "lvf", hi)
+    neo = at(r16, "neo", hi)["neo_host_blocks"]
     L = [
         "## The baselines",
         "",
@@ -135,7 +142,7 @@ def baselines_section(res: dict, hi: float) -> list[str]:
         f"{st.get('max_tokens', 0)} (a chat client's cap) and end at their true ShareGPT length with a stop token, so no "
         "policy knows an output's length in advance.",
         "",
-        *[f"- **{name(p)}**{' (our `fcfs`)' if p == 'fcfs' else ''}: {BASELINE_NOTES[p].format(noise=noise)}" for p in BASELINES],
+        *[f"- **{name(p)}**{' (our `fcfs`)' if p == 'fcfs' else ''}: {BASELINE_NOTES[p].format(noise=noise, neo=neo)}" for p in BASELINES],
         "",
         f"LVF against each at {hi:g} req/s (means over {lvf.get('seeds', 1)} seeds; a difference within the larger "
         "spread of the two is a tie):",

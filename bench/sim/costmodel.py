@@ -288,6 +288,22 @@ class StepWork:
         self.num_sampled += samples
 
 
+def host_attention_time(hw: Hardware, model: ModelShape, num_kv_tokens: int) -> float:
+    """Seconds the host CPU takes for decode attention over `num_kv_tokens` of KV in its DRAM
+    (NEO's offloaded attention): memory-bound, reading the KV once at the DRAM's bandwidth
+    with the efficiency the GPU's memory-bound kernels reach."""
+    return num_kv_tokens * model.kv_token_bytes(hw.dtype_bytes) / (hw.link.dram_gbs * GB * hw.hbm_efficiency)
+
+
+def neo_host_blocks(hw: Hardware, model: ModelShape, num_hbm_blocks: int, block_size: int) -> int:
+    """The KV blocks NEO keeps in host DRAM, as its load-aware scheduling sizes them: as many as
+    the CPU's attention reads in the time the GPU's decode step takes with HBM full of KV (so
+    the offloaded attention hides behind the GPU's work in its asymmetric pipeline)."""
+    num_kv = num_hbm_blocks * block_size
+    gpu_s = compute_time(hw, model, StepWork(num_decode_tokens=1, num_kv_read=num_kv))
+    return int(gpu_s / host_attention_time(hw, model, block_size))
+
+
 def compute_time(hw: Hardware, model: ModelShape, work: StepWork) -> float:
     """Seconds of one step's forward; 0 when it computes nothing."""
     if work.num_tokens == 0:

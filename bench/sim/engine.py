@@ -50,7 +50,16 @@ from dataclasses import dataclass, field, replace
 
 from bench.live.workload import WorkItem
 from bench.report.metrics import RequestRecord
-from bench.sim.costmodel import Hardware, ModelShape, StepWork, compute_time, num_kv_blocks, transfer_time
+from bench.sim.costmodel import (
+    Hardware,
+    ModelShape,
+    StepWork,
+    compute_time,
+    host_attention_time,
+    neo_host_blocks,
+    num_kv_blocks,
+    transfer_time,
+)
 from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
@@ -120,6 +129,9 @@ class SimSetup:
     # ends at its true length with a stop token, as a model's EOS ends it.
     max_tokens: int = 0
     predictor_noise: float = 1.0  # sigma of the log-normal error of the output-length predictor
+    # NEO: this many of the KV blocks are in host DRAM, their decode attention on the CPU
+    # (costmodel.neo_host_blocks), a pool beside the HBM one that the core sees as one.
+    neo_host_blocks: int = 0
 
 
 @dataclass
@@ -191,9 +203,10 @@ class InFlight:
 def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
     hw, model = setup.hardware, setup.model
     cfg = setup.cfg
-    max_model_len = min(model.max_position, setup.num_hbm_blocks * cfg.block_size)
+    num_kv = setup.num_hbm_blocks + setup.neo_host_blocks
+    max_model_len = min(model.max_position, num_kv * cfg.block_size)
     predictor = noisy_predictor(items, setup.predictor_noise)
-    core = SchedulerCore(cfg, setup.num_hbm_blocks, setup.num_dram_blocks, max_model_len, predictor=predictor)
+    core = SchedulerCore(cfg, num_kv, setup.num_dram_blocks, max_model_len, predictor=predictor)
     requests = requests_of(items, setup.max_tokens, max_model_len)
     num_samples = [0] * len(items)  # samples planned so far (emitted + in flight)
     times: list[list[float]] = [[] for _ in items]
@@ -208,6 +221,8 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         check()
         work, sampled = plan_work(plan, items, num_samples)
         compute_s = compute_time(hw, model, work)
+        if setup.neo_host_blocks:
+            compute_s = neo_compute_time(setup, work, num_kv - core.memory.hbm.num_free)
         x = transfer_time(
             hw, model, setup.transfer_mode, len(plan.swap_in), len(plan.swap_out) + len(plan.eager), cfg.block_size
         )
@@ -349,6 +364,16 @@ def _record(item: WorkItem, token_times: list[float], num_cached: int | None = N
     )
 
 
+def neo_compute_time(setup: SimSetup, work: StepWork, num_used: int) -> float:
+    """A NEO step: KV beyond the GPU's blocks lies in host DRAM and the CPU computes its share
+    of the decode attention while the GPU computes the rest and every linear layer (NEO's
+    asymmetric pipeline, taken as perfect overlap); the step takes the longer of the two."""
+    hw, model = setup.hardware, setup.model
+    num_host_kv = round(work.num_kv_read * max(0, num_used - setup.num_hbm_blocks) / max(num_used, 1))
+    gpu_s = compute_time(hw, model, replace(work, num_kv_read=work.num_kv_read - num_host_kv))
+    return max(gpu_s, host_attention_time(hw, model, num_host_kv))
+
+
 def make_setup(
     hw: Hardware,
     model: ModelShape,
@@ -361,10 +386,17 @@ def make_setup(
     depth: int | None = None,
     max_tokens: int = 0,
     predictor_noise: float = 1.0,
+    neo: bool = False,
 ) -> SimSetup:
+    """`neo`: NEO's offloading on `cfg`'s policy (vLLM V1's in the reproduction): the KV pool
+    grows by the host blocks NEO's CPU attention can serve."""
     num_hbm, num_dram = num_kv_blocks(hw, model, cfg.block_size)
     dram = num_dram if dram is None else dram
     cfg = cfg.for_device(on_cpu=not hw.pipeline)  # a profile without the pipeline is a CPU's
     if mode == "vllm":  # vLLM's swap path copies a request's KV when it is preempted, never ahead
         cfg = replace(cfg, eager_rotation=False)
-    return SimSetup(cfg, hw, model, mode, hbm or num_hbm, dram, sched_time, check, depth, max_tokens, predictor_noise)
+    hbm = hbm or num_hbm
+    host = neo_host_blocks(hw, model, hbm, cfg.block_size) if neo else 0
+    return SimSetup(
+        cfg, hw, model, mode, hbm, dram - host, sched_time, check, depth, max_tokens, predictor_noise, host
+    )

@@ -23,10 +23,10 @@ from bench.live import workload
 from bench.live.workload import ChatSpec
 from bench.report import plots, reproduction
 from bench.report.metrics import RequestRecord
-from bench.report.rows import BASELINES, PAPER_STEP, at, compare, mean_rows, name, pct
+from bench.report.rows import BASELINES, PAPER_STEP, SYSTEMS, at, compare, mean_rows, name, pct
 from bench.sim import engine, sweep
 from bench.sim.costmodel import GB, MODELS, MODES, ideal_time, load_hardware, transfer_time
-from services.scheduler.core import POLICIES, SchedulerConfig
+from services.scheduler.core import SchedulerConfig
 from services.scheduler.core.config import SWAPPING
 from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 
@@ -71,7 +71,7 @@ class Ctx:
     ) -> engine.SimSetup:
         d = self.hw.defaults
         cfg = SchedulerConfig(
-            policy=policy,
+            policy="fcfs" if policy == "neo" else policy,  # NEO offloads under vLLM V1's scheduling
             max_batched_tokens=d["max_batched_tokens"],
             max_num_seqs=d["max_num_seqs"],
             xfer_budget=knobs.pop("xfer_budget", d["xfer_budget"]),
@@ -82,7 +82,14 @@ class Ctx:
         # Each step takes the scheduling time our core's schedule() measured for it (not the
         # paper's 7.6 ms); it overlaps compute, so it costs only where it is longer.
         return engine.make_setup(
-            hw or self.hw, model or self.model, cfg, mode, hbm=hbm, sched_time="measured", max_tokens=self.args.max_tokens
+            hw or self.hw,
+            model or self.model,
+            cfg,
+            mode,
+            hbm=hbm,
+            sched_time="measured",
+            max_tokens=self.args.max_tokens,
+            neo=policy == "neo",
         )
 
     def run(self, jobs: list[sweep.Job], workload: str = "sharegpt") -> list[dict]:
@@ -115,7 +122,7 @@ class Ctx:
 # ---------------------------------------------------------------- experiments
 
 
-def fig16(ctx: Ctx, hw=None, baseline_mode: str = "duplex", hbm: int | None = None, policies=POLICIES) -> list[dict]:
+def fig16(ctx: Ctx, hw=None, baseline_mode: str = "duplex", hbm: int | None = None, policies=SYSTEMS) -> list[dict]:
     jobs = [
         sweep.Job(r, ctx.setup(p, "duplex" if p == "lvf" else baseline_mode, hw, hbm))
         for p in policies
@@ -129,7 +136,7 @@ def fig16_models(ctx: Ctx) -> list[dict]:
     jobs = [
         sweep.Job(r * factor, ctx.setup(p, model=MODELS[key]))
         for key, factor in MODEL_ROWS.items()
-        for p in POLICIES
+        for p in SYSTEMS
         for r in ctx.args.rates
     ]
     return ctx.run(jobs)
@@ -139,7 +146,7 @@ def fig16_conv(ctx: Ctx) -> list[dict]:
     """Fig. 16's policies on the ShareGPT conversations, prefix caching on for all (vLLM V1's
     default; a later turn's history is then found in HBM if it is still there), on our copy
     engine; then sf and wf once more on vLLM's swap path, as vLLM runs them."""
-    jobs = [sweep.Job(r, ctx.setup(p, enable_prefix_caching=True)) for p in POLICIES for r in CONV_RATES]
+    jobs = [sweep.Job(r, ctx.setup(p, enable_prefix_caching=True)) for p in SYSTEMS for r in CONV_RATES]
     jobs += [sweep.Job(r, ctx.setup(p, "vllm", enable_prefix_caching=True)) for p in ("sf", "wf") for r in CONV_RATES]
     return ctx.run(jobs, "conversations")
 
@@ -230,7 +237,7 @@ def claims(rows: list[dict], rates, unit: str = "req/s") -> list[tuple[str, str,
     hi, lo = max(rates), min(rates)
     lvf, v1 = at(rows, "lvf", hi), at(rows, "fcfs", hi)
     gap, gap_spread = compare(lvf, v1, "ttft_attainment")
-    best = max((at(rows, p, hi) for p in POLICIES), key=lambda r: r["tbt_attainment"])
+    best = max((at(rows, p, hi) for p in SYSTEMS), key=lambda r: r["tbt_attainment"])
     tbt_gap, tbt_spread = compare(best, lvf, "tbt_attainment")
     beaten = [
         f"{name(p)} at {r:g} {unit}"
@@ -238,7 +245,7 @@ def claims(rows: list[dict], rates, unit: str = "req/s") -> list[tuple[str, str,
         for p in BASELINES
         if all(d > s for d, s in (compare(at(rows, p, r), at(rows, "lvf", r), k) for k in ("ttft_attainment", "tbt_attainment")))
     ]
-    low = [at(rows, p, lo) for p in POLICIES]
+    low = [at(rows, p, lo) for p in SYSTEMS]
     spread = 100 * max(max(r[k] for r in low) - min(r[k] for r in low) for k in ("ttft_attainment", "tbt_attainment"))
     return [
         (

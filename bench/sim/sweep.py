@@ -50,7 +50,7 @@ def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: 
     total_s = sum(run.step_ms) / 1e3
     keep = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p90_ms", "tbt_p99_ms", "e2e_p50_ms")
     return {
-        "policy": cfg.policy,
+        "policy": "neo" if setup.neo_host_blocks else cfg.policy,
         "rate": rate,
         **{k: getattr(cfg, k) for k in KNOBS if k != "transfer_mode"},
         "transfer_mode": setup.transfer_mode,
@@ -74,6 +74,7 @@ def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: 
         **{k: st[k] for k in ("num_blocks_reused_at_swap_in", "num_dram_blocks_shared")},
         "num_hbm_blocks": setup.num_hbm_blocks,
         "num_dram_blocks": setup.num_dram_blocks,
+        "neo_host_blocks": setup.neo_host_blocks,
         "duration_s": run.duration_s,
         "step_ms_mean": _mean(run.step_ms),
         "compute_ms_mean": _mean(run.compute_ms),
@@ -201,7 +202,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, default=None, help="instead of --num-requests: rate × this many")
     p.add_argument("--rates", type=_floats, default=[4, 8, 12, 16, 20], help="requests/s, comma-separated")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
-    p.add_argument("--policies", type=_strs, default=list(POLICIES))
+    p.add_argument(
+        "--policies", type=_strs, default=list(POLICIES), help="the core's, and neo (vllm-v1 with NEO's CPU attention)"
+    )
     p.add_argument("--ttft-slo", type=float, default=d.ttft_slo, help="S_F, seconds")
     p.add_argument("--tbt-slo", type=float, default=d.tbt_slo, help="S_B, seconds")
     p.add_argument("--alpha", type=_floats, default=[d.alpha], help="comma-separated values sweep")
@@ -282,7 +285,7 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
     )
     for policy, mode, budget, alpha, beta_f, beta_b, residency, watermark, rate in knobs:
         cfg = SchedulerConfig(
-            policy=policy,
+            policy="fcfs" if policy == "neo" else policy,  # NEO offloads under vLLM V1's scheduling
             block_size=args.block_size,
             max_batched_tokens=args.max_batched_tokens or d.get("max_batched_tokens", base.max_batched_tokens),
             max_num_seqs=args.max_num_seqs or d.get("max_num_seqs", base.max_num_seqs),
@@ -314,6 +317,7 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
                     args.pipeline_depth,
                     args.max_tokens,
                     args.predictor_noise,
+                    neo=policy == "neo",
                 ),
             )
         )

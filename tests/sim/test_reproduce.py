@@ -8,9 +8,8 @@ import shutil
 from pathlib import Path
 
 from bench.report import reproduction
-from bench.report.rows import BASELINES
+from bench.report.rows import BASELINES, SYSTEMS
 from bench.sim import reproduce
-from services.scheduler.core import POLICIES
 
 
 def row(policy: str, rate: float, ttft: float, tbt: float = 0.9) -> dict:
@@ -19,12 +18,12 @@ def row(policy: str, rate: float, ttft: float, tbt: float = 0.9) -> dict:
 
 def test_lead_cell_names_the_largest_lead_and_the_worst_deficit():
     rows = [
-        *(row(p, 4, 1.0) for p in POLICIES),
+        *(row(p, 4, 1.0) for p in SYSTEMS),
         row("lvf", 8, 0.9, tbt=0.85),
         row("fcfs", 8, 0.5, tbt=0.9),
         row("sf", 8, 0.6),
         row("wf", 8, 0.95),
-        *(row(p, 8, 0.5) for p in POLICIES if p not in ("lvf", "fcfs", "sf", "wf")),
+        *(row(p, 8, 0.5) for p in SYSTEMS if p not in ("lvf", "fcfs", "sf", "wf")),
     ]
     assert reproduction.lead_cell(rows, ("fcfs",)) == "**+40.0** at 8 req/s (TBT 5.0 below)"
     assert reproduction.lead_cell(rows, ("wf",)) == "never ahead; -5.0 at 8 req/s"
@@ -50,7 +49,7 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path):
         full = int(next(csv.DictReader(f))["num_hbm_blocks"])
     sizes = sorted({int(r["num_hbm_blocks"]) for r in pressure})
     assert sizes == sorted(round(full * s) for s in reproduce.PRESSURE)
-    assert len(pressure) == len(sizes) * len(POLICIES) * 2  # every policy at both rates, per size
+    assert len(pressure) == len(sizes) * len(SYSTEMS) * 2  # every policy at both rates, per size
     for blocks in (full, *sizes):
         assert f"| {blocks} | " in md  # one row of leads per operating point
     assert (tmp_path / "fig16.png").stat().st_size > 0
@@ -60,9 +59,12 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path):
         conv = list(csv.DictReader(f))
     assert {float(r["rate"]) for r in conv} == set(reproduce.CONV_RATES)
     assert {(r["policy"], r["transfer_mode"]) for r in conv} == {
-        *((p, "duplex") for p in POLICIES), ("sf", "vllm"), ("wf", "vllm")
+        *((p, "duplex") for p in SYSTEMS), ("sf", "vllm"), ("wf", "vllm")
     }
     assert all(float(r["completed"]) > 20 for r in conv)  # every turn of each conversation ran
+    neo = [r for r in conv if r["policy"] == "neo"]
+    assert neo and all(int(r["neo_host_blocks"]) > 0 and r["num_hbm_blocks"] == conv[0]["num_hbm_blocks"] for r in neo)
+    assert "- **neo**: NEO's CPU offloading" in md
     with (tmp_path / "fig16_models.csv").open() as f:
         models = list(csv.DictReader(f))
     for key, factor in reproduce.MODEL_ROWS.items():  # each model at its own rates

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from bench.live.workload import WorkItem, arrival_times, with_arrivals
-from bench.sim import engine, sweep
+from bench.sim import costmodel, engine, sweep
 from bench.sim.costmodel import MODELS, PROFILE_DIR, load_hardware
 from services.scheduler.core import POLICIES, SchedulerConfig
 from services.scheduler.core.config import SWAPPING
@@ -60,6 +60,17 @@ def test_clock_serial_copies_follow_the_previous_step():
     # Planned at 0.03 while step 1 computes; its copies wait for step 1's end (0.08).
     assert c.step(0.03, 0.08, 0.01, 0.05, 0.02, 0.02, True) == pytest.approx((0.10, 0.15))
     assert c.step(0.10, 0.15, 0.0, 0.05, 0.0, 0.2, False) == pytest.approx((0.15, 0.35))  # out-copies outlast compute
+
+
+def test_clock_on_vllms_swap_path_compute_waits_for_every_copy():
+    """vLLM's swap path: the worker copies before it runs the model, both directions, and
+    the copies do not start before the previous step is done."""
+    c = engine.Clock(overlap_copies=True)
+    assert c.step(0.0, 0.0, 0.01, 0.05, 0.0, 0.0, False, blocking=True) == pytest.approx((0.01, 0.06))
+    # Planned at 0.01 under step 1: its 0.02 in + 0.03 out copies start at 0.06, compute at 0.11.
+    assert c.step(0.01, 0.06, 0.01, 0.05, 0.02, 0.05, True, blocking=True) == pytest.approx((0.11, 0.16))
+    # Swap-outs alone hold the step as well.
+    assert c.step(0.11, 0.16, 0.0, 0.05, 0.0, 0.04, False, blocking=True) == pytest.approx((0.20, 0.25))
 
 
 # ---------------------------------------------------------------- runs
@@ -160,6 +171,34 @@ def test_naive_transfers_slow_lvf_down():
     duplex, naive = rows
     assert naive["xfer_ms_mean"] > 5 * duplex["xfer_ms_mean"]
     assert naive["duration_s"] > duplex["duration_s"]
+
+
+def test_vllms_swap_path_costs_lvf_time_that_duplexkv_hides():
+    items = items_of(150, rate=20.0)
+    jobs = [sweep.Job(20.0, setup_of("lvf", hbm=300, mode=m)) for m in ("duplex", "vllm")]
+    duplex, vllm = sweep.sweep(items, jobs, 5.0, 0.1)
+    assert vllm["num_blocks_mirrored"] == 0 < duplex["num_blocks_mirrored"]  # no eager rotation on vLLM's path
+    assert vllm["stall_share"] > 0.05 > duplex["stall_share"]  # the GPU waits for vLLM's copies
+    assert vllm["tbt_attainment"] < duplex["tbt_attainment"]
+
+
+def test_neo_serves_from_host_memory_at_the_cpus_attention_speed():
+    """NEO on vLLM V1's scheduling: more KV than HBM holds, so fewer preemptions, and a step
+    with KV on the host takes at least the CPU's attention over it."""
+    items = items_of(150, rate=20.0)
+    cfg = SchedulerConfig(policy="fcfs", max_batched_tokens=2048, max_num_seqs=256)
+    neo = engine.make_setup(load_hardware("gh200"), QWEN, cfg, "duplex", hbm=300, neo=True)
+    assert neo.num_hbm_blocks == 300 and neo.neo_host_blocks > 0
+    rows = sweep.sweep(items, [sweep.Job(20.0, s) for s in (neo, setup_of("fcfs", hbm=300))], 5.0, 0.1)
+    assert [r["policy"] for r in rows] == ["neo", "fcfs"]
+    assert rows[0]["num_recomputes"] < rows[1]["num_recomputes"]
+    assert rows[0]["ttft_attainment"] > rows[1]["ttft_attainment"]
+
+    hw, work = neo.hardware, costmodel.StepWork(num_decode_tokens=64, num_kv_read=64 * 900)
+    assert engine.neo_compute_time(neo, work, 300) == costmodel.compute_time(hw, QWEN, work)  # all KV in HBM
+    on_host = engine.neo_compute_time(neo, work, 600)  # half of it on the host
+    assert on_host >= costmodel.host_attention_time(hw, QWEN, 32 * 900)
+    assert on_host >= costmodel.compute_time(hw, QWEN, replace(work, num_kv_read=32 * 900))
 
 
 def test_cli_writes_rows(tmp_path, monkeypatch):
