@@ -5,7 +5,7 @@ scheduler core that serves, plus the cost model's transfer table.
 Every number in the Markdown comes from this run, except the last section's: the simulator
 against the live server, read from the runs `superinfer bench simlive` recorded in
 bench/results/simlive_runs.jsonl. The rows, one CSV per figure and the PNGs go to
-bench/results/. The whole reproduction takes a few minutes on two cores. The Markdown is
+bench/results/. The whole reproduction takes about a quarter of an hour on two cores. The Markdown is
 rendered from the rows file (reproduction.json, which records the setting too) and those
 runs alone: `--from-rows` re-renders it without running anything.
 """
@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -100,9 +101,12 @@ class Ctx:
         new = list({key(j): j for j in jobs if key(j) not in self._rows}.values())
         self.num_runs += len(new) * len(self.seeds)
         if new:
+            t0 = time.perf_counter()
             items = self.items_by_seed if workload == "sharegpt" else self.conversations()
             rows = mean_rows(sweep.sweep_seeds(items, new, 5.0, 0.1, num_procs=self.args.jobs))
             self._rows.update(zip(map(key, new), rows))
+            took = time.perf_counter() - t0
+            print(f"  {len(new)} jobs x {len(self.seeds)} seeds on {workload} in {took:.0f} s", file=sys.stderr)
         return [self._rows[key(j)] for j in jobs]
 
     def conversations(self) -> dict[int, list]:
@@ -112,11 +116,18 @@ class Ctx:
             self._conversations = {s: sweep.load_items("sharegpt-long", n, s, chat=CHAT) for s in self.seeds}
         return self._conversations
 
-    def records(self, setup: engine.SimSetup, rate: float) -> list[RequestRecord]:
-        """One run's requests (the first seed's conversations), for the CDFs of Fig. 1."""
+    def records(self, setups: list[engine.SimSetup], rate: float) -> list[list[RequestRecord]]:
+        """Each setup's requests in one run on the first seed's conversations (the CDFs of
+        Fig. 1), the runs side by side."""
         bare = [replace(it, prompt="") for it in self.conversations()[self.args.seed]]
-        self.num_runs += 1
-        return engine.simulate(workload.draw_arrivals(bare, rate, 1.0, self.args.seed), setup).records
+        items = workload.draw_arrivals(bare, rate, 1.0, self.args.seed)
+        self.num_runs += len(setups)
+        with ProcessPoolExecutor(max(1, min(self.args.jobs, len(setups)))) as pool:
+            return list(pool.map(simulated_records, [items] * len(setups), setups))
+
+
+def simulated_records(items: list, setup: engine.SimSetup) -> list[RequestRecord]:
+    return engine.simulate(items, setup).records
 
 
 # ---------------------------------------------------------------- experiments
@@ -132,12 +143,14 @@ def fig16(ctx: Ctx, hw=None, baseline_mode: str = "duplex", hbm: int | None = No
 
 
 def fig16_models(ctx: Ctx) -> list[dict]:
-    """Fig. 16's policies on the paper's other two models, at rates scaled per model (MODEL_ROWS)."""
+    """Fig. 16's policies on the paper's other two models, at the lowest, middle and highest of
+    the rates scaled per model (MODEL_ROWS)."""
+    rates = sorted(ctx.args.rates)
     jobs = [
         sweep.Job(r * factor, ctx.setup(p, model=MODELS[key]))
         for key, factor in MODEL_ROWS.items()
         for p in SYSTEMS
-        for r in ctx.args.rates
+        for r in dict.fromkeys((rates[0], rates[len(rates) // 2], rates[-1]))
     ]
     return ctx.run(jobs)
 
@@ -185,10 +198,9 @@ def conv_ablation(ctx: Ctx) -> list[dict]:
 
 def fig1(ctx: Ctx, rate: float, out: Path) -> dict:
     """WF and SF on vLLM's swap path, and vLLM V1's FCFS, on the conversations."""
-    recs = {
-        p: ctx.records(ctx.setup(p, "duplex" if p == "fcfs" else "vllm", enable_prefix_caching=True), rate)
-        for p in ("wf", "sf", "fcfs")
-    }
+    policies = ("wf", "sf", "fcfs")
+    setups = [ctx.setup(p, "duplex" if p == "fcfs" else "vllm", enable_prefix_caching=True) for p in policies]
+    recs = dict(zip(policies, ctx.records(setups, rate)))
     plots.plot_policy_cdfs(recs, out / "fig1_wf_vs_sf_cdf.png")
     return recs
 
