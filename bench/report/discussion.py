@@ -177,6 +177,26 @@ def conversations_bullet(res: dict) -> str:
     )
 
 
+def neo_bullet(res: dict) -> str:
+    """Where NEO's host memory helps on the conversations, and where it stops helping."""
+    rows = res["fig16_conv"]
+    rates = sorted({r["rate"] for r in rows})
+    first = min((r for r in rates if at(rows, "fcfs", r)["num_preemptions"]), default=rates[-1])
+    neo, v1, lvf = (at(rows, p, first) for p in ("neo", "fcfs", "lvf"))
+    top_neo, top_lvf = at(rows, "neo", rates[-1]), at(rows, "lvf", rates[-1])
+    return (
+        f"- **NEO.** Its CPU attention adds {neo['neo_host_blocks']:.0f} host blocks to the {neo['num_hbm_blocks']:.0f} "
+        f"in HBM (+{100 * neo['neo_host_blocks'] / neo['num_hbm_blocks']:.0f}%). On the conversations that capacity "
+        f"postpones the pressure: at {first:g}/s, where vllm-v1 first preempts, NEO keeps "
+        f"{pct(neo['ttft_attainment'])} TTFT / {pct(neo['tbt_attainment'])} TBT attainment against vllm-v1's "
+        f"{pct(v1['ttft_attainment'])} / {pct(v1['tbt_attainment'])} (LVF {pct(lvf['ttft_attainment'])} / "
+        f"{pct(lvf['tbt_attainment'])}). Once the larger pool fills as well it is vLLM V1's policy again, recomputing "
+        f"what it preempts and the histories it evicts: at {rates[-1]:g}/s {pct(top_neo['ttft_attainment'])} / "
+        f"{pct(top_neo['tbt_attainment'])} against LVF's {pct(top_lvf['ttft_attainment'])} / "
+        f"{pct(top_lvf['tbt_attainment'])}."
+    )
+
+
 def swap_path_sentence(res: dict) -> str:
     """SF and WF on vLLM's swap path against on our copy engine, on the conversations."""
     rows = res["fig16_conv"]
@@ -226,6 +246,7 @@ def discussion(res: dict, hi: float) -> list[str]:
         + BEST_WHY.get(best["policy"], "."),
         memory_bullet(res),
         conversations_bullet(res),
+        neo_bullet(res),
         pressure_bullet(points, top, worst_wf),
         f"- **Our baselines are not the systems' engines.** Every policy runs on one core, one block manager and one copy "
         "model (the baselines' rules, our engine). On ShareGPT's single turns, giving the swapping baselines vLLM's swap "
