@@ -153,6 +153,11 @@ def fig17_bullet(res: dict) -> str:
     )
 
 
+def attainments(r: dict) -> str:
+    """A row's TTFT / TBT attainment."""
+    return f"{pct(r['ttft_attainment'])} / {pct(r['tbt_attainment'])}"
+
+
 def conversations_bullet(res: dict) -> str:
     """Why LVF leads on the conversations, from the ablation rows at their highest rate."""
     rows = res["fig16_conv"]
@@ -162,18 +167,16 @@ def conversations_bullet(res: dict) -> str:
     no_wm = next(r for r in abl if r["policy"] == "lvf" and r["enable_prefix_caching"])
     lvf_nc, v1_nc = (next(r for r in abl if r["policy"] == p and not r["enable_prefix_caching"]) for p in ("lvf", "fcfs"))
     return (
-        f"- **Memory pressure on the conversations.** At {top:g} conversations/s LVF keeps "
-        f"{pct(lvf['ttft_attainment'])} TTFT and {pct(lvf['tbt_attainment'])} TBT attainment against vllm-v1's "
-        f"{pct(v1['ttft_attainment'])} and {pct(v1['tbt_attainment'])}, and serves {lvf['throughput_tok_s']:.0f} "
+        f"- **Memory pressure on the conversations.** At {top:g} conversations/s LVF keeps {attainments(lvf)} TTFT / "
+        f"TBT attainment against vllm-v1's {attainments(v1)}, and serves {lvf['throughput_tok_s']:.0f} "
         f"against {v1['throughput_tok_s']:.0f} tok/s. Two things make that lead. A later turn's history is found in "
         f"the prefix cache only if it is still in HBM when the turn arrives: LVF finds {pct(lvf['cached_token_share'])} "
         f"of its prompt tokens there, vllm-v1 {pct(v1['cached_token_share'])}, whose running requests fill HBM and "
         "evict the histories (every miss recomputes a whole history, and the GPU's compute then runs out). LVF's "
         f"`admit_watermark` keeps a share of HBM free while requests run: without it LVF finds "
-        f"{pct(no_wm['cached_token_share'])} and keeps {pct(no_wm['ttft_attainment'])} / {pct(no_wm['tbt_attainment'])}. "
-        f"Without any prefix cache, rotation alone still leads: LVF {pct(lvf_nc['ttft_attainment'])} / "
-        f"{pct(lvf_nc['tbt_attainment'])} against vllm-v1 {pct(v1_nc['ttft_attainment'])} / "
-        f"{pct(v1_nc['tbt_attainment'])} (recompute preemption, and a step that preempts admits nobody)."
+        f"{pct(no_wm['cached_token_share'])} and keeps {attainments(no_wm)}. Without any prefix cache, rotation alone "
+        f"still leads: LVF {attainments(lvf_nc)} against vllm-v1 {attainments(v1_nc)} (recompute preemption, and a "
+        "step that preempts admits nobody)."
     )
 
 
@@ -187,13 +190,10 @@ def neo_bullet(res: dict) -> str:
     return (
         f"- **NEO.** Its CPU attention adds {neo['neo_host_blocks']:.0f} host blocks to the {neo['num_hbm_blocks']:.0f} "
         f"in HBM (+{100 * neo['neo_host_blocks'] / neo['num_hbm_blocks']:.0f}%). On the conversations that capacity "
-        f"postpones the pressure: at {first:g}/s, where vllm-v1 first preempts, NEO keeps "
-        f"{pct(neo['ttft_attainment'])} TTFT / {pct(neo['tbt_attainment'])} TBT attainment against vllm-v1's "
-        f"{pct(v1['ttft_attainment'])} / {pct(v1['tbt_attainment'])} (LVF {pct(lvf['ttft_attainment'])} / "
-        f"{pct(lvf['tbt_attainment'])}). Once the larger pool fills as well it is vLLM V1's policy again, recomputing "
-        f"what it preempts and the histories it evicts: at {rates[-1]:g}/s {pct(top_neo['ttft_attainment'])} / "
-        f"{pct(top_neo['tbt_attainment'])} against LVF's {pct(top_lvf['ttft_attainment'])} / "
-        f"{pct(top_lvf['tbt_attainment'])}."
+        f"postpones the pressure: at {first:g}/s, where vllm-v1 first preempts, NEO keeps {attainments(neo)} TTFT / "
+        f"TBT attainment against vllm-v1's {attainments(v1)} (LVF {attainments(lvf)}). Once the larger pool fills as "
+        "well it is vLLM V1's policy again, recomputing what it preempts and the histories it evicts: at "
+        f"{rates[-1]:g}/s {attainments(top_neo)} against LVF's {attainments(top_lvf)}."
     )
 
 
@@ -271,12 +271,9 @@ def discussion(res: dict, hi: float) -> list[str]:
         f"{100 * (fwf['ttft_attainment'] - fsf['ttft_attainment']):+.1f} points vs SF and SF is "
         f"{100 * (fsf['ttft_attainment'] - ffcfs['ttft_attainment']):+.1f} vs FCFS; WF's TBT attainment differs from "
         f"SF's by {100 * (fwf['tbt_attainment'] - fsf['tbt_attainment']):+.1f} points"
-        + (
-            ", worse as in the paper."
-            if fsf["tbt_attainment"] - fwf["tbt_attainment"] >= 0.02
-            else f" (the paper's WF loses clearly more TBT; here the requests meeting TBT on every gap show it: "
-            f"{pct(fwf['tbt_request_attainment'])} for WF, {pct(fsf['tbt_request_attainment'])} for SF)."
-        ),
+        + (", worse as in the paper" if fsf["tbt_attainment"] - fwf["tbt_attainment"] >= 0.02 else " (the paper's WF loses clearly more)")
+        + f"; requests meeting TBT on every gap: {pct(fwf['tbt_request_attainment'])} for WF, "
+        f"{pct(fsf['tbt_request_attainment'])} for SF.",
         f"- **Sensitivity (Figs. 18–20)**: raising α moves TTFT by {trend(k['alpha'], 'ttft_attainment'):+.1f} and TBT by "
         f"{trend(k['alpha'], 'tbt_attainment'):+.1f} points; raising β_F moves TTFT by {trend(k['beta_f'], 'ttft_attainment'):+.1f} "
         f"(paper: TTFT falls); raising β_B moves TBT by {trend(k['beta_b'], 'tbt_attainment'):+.1f} (paper: TBT falls; "
