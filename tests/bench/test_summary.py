@@ -1,0 +1,39 @@
+"""The committed benchmark summary: docs/results.md is exactly what its rows render to."""
+
+import json
+
+import pytest
+
+from bench.report import summary
+
+
+def test_committed_page_is_rendered_from_the_committed_rows():
+    rows = summary.load(summary.SUMMARY_JSON)
+    assert rows["entries"], "bench/summary.json has no runs"
+    assert summary.render(rows) == summary.RESULTS_MD.read_text(), (
+        "docs/results.md differs from its rows: run `superinfer bench summary` and commit both files"
+    )
+
+
+def test_add_keeps_the_tables_and_drops_per_request_lists(tmp_path):
+    run = {"prefill_tok_s": {"ours": 1500.0, "transformers": 600.0},
+           "decode_ms_b1": {"ours": 20.0, "transformers": 40.0},
+           "decode_ms_b16": {"ours": 30.0, "transformers": 90.0},
+           "speedup": {"prefill_tok_s": 2.5, "decode_ms_b1": 2.0, "decode_ms_b16": 3.0},
+           "samples_ms": list(range(100))}
+    path = tmp_path / "model_cpu.json"
+    path.write_text(json.dumps(run))
+    rows = summary.add({"entries": []}, "model", path, "The model", "superinfer bench model", None)
+    (entry,) = rows["entries"]
+    assert entry["kind"] == "model" and entry["body"]["samples_ms"] is None
+    page = summary.render(rows)
+    assert "| decode step, batch 16 (ms) | 30.0 | 90.0 | 3.00× |" in page
+    # adding the same name again replaces the entry in place
+    assert len(summary.add(rows, "model", path, "Again", None, None)["entries"]) == 1
+
+
+def test_a_file_of_unknown_shape_is_refused(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"something": 1}))
+    with pytest.raises(ValueError, match="not a result file"):
+        summary.add({"entries": []}, "x", path, "X", None, None)
