@@ -5,7 +5,9 @@ only running requests with VLT < 0 are preempted."""
 
 from __future__ import annotations
 
-from services.scheduler.core import Status
+import pytest
+
+from services.scheduler.core import SchedulerConfig, Status
 from shared.protocol import SLO, AddRequest, SamplingParams
 
 from .harness import Driver, add, make_core
@@ -85,12 +87,14 @@ def test_only_running_requests_with_negative_vlt_are_preempted():
         assert core.num_rotations_out > 0 and len(d.finish) == 10
 
 
-def test_admissions_leave_room_for_the_running_requests_to_grow():
+@pytest.mark.parametrize("policy", ["lvf", "fcfs", "wf"])
+def test_admissions_leave_room_for_the_running_requests_to_grow(policy):
     """8 HBM blocks of 4 tokens; a (2 blocks) decodes; b (6 blocks) and c arrive. Filling HBM
     to the last block admits b, and a's next block then preempts somebody; with a quarter of
-    HBM kept free while others run, b waits and nobody is preempted."""
+    HBM kept free while others run, b waits and nobody is preempted. The watermark is
+    policy-agnostic: vLLM V1's FCFS and waiting-first get it the same way."""
     for watermark in (0.0, 0.25):
-        core = make_core("lvf", num_hbm=8, num_dram=64, block_size=4, admit_watermark=watermark)
+        core = make_core(policy, num_hbm=8, num_dram=64, block_size=4, admit_watermark=watermark)
         d = Driver(core, dt=0.01)
         add(core, "a", 7, 12, now=0.0)
         d.step()
@@ -105,3 +109,34 @@ def test_admissions_leave_room_for_the_running_requests_to_grow():
         assert bool(preempted) == (watermark == 0), (watermark, preempted)
         d.run()
         assert len(d.finish) == 3
+
+
+def test_only_lvf_has_guards_by_default_and_lvf_paper_has_none():
+    lvf, paper, fcfs = (SchedulerConfig(policy=p).for_device(on_cpu=False) for p in ("lvf", "lvf-paper", "fcfs"))
+    assert (lvf.admit_watermark, lvf.min_residency_s, lvf.rotary_yields, lvf.slo_chunking) == (0.25, 16.0, True, True)
+    assert (paper.admit_watermark, paper.min_residency_s, paper.rotary_yields, paper.slo_chunking) == (0, 0, False, False)
+    assert (fcfs.admit_watermark, fcfs.slo_chunking) == (0.0, False)
+    forced = SchedulerConfig(policy="lvf-paper", admit_watermark=0.25, min_residency_s=16.0, slo_chunking=True)
+    assert forced.for_device(on_cpu=False) == paper  # the paper's LVF whatever the guards' flags say
+
+
+def test_lvf_paper_plans_as_lvf_with_every_guard_off():
+    """The same arrivals under lvf-paper and under lvf with the four guards switched off give
+    the same steps (admissions, preemptions); lvf's defaults give other ones."""
+    def trace(policy, **kw):
+        core = make_core(policy, num_hbm=12, num_dram=200, block_size=4, tbt_slo=0.02, **kw)
+        d = Driver(core, dt=0.01)
+        for i in range(10):
+            core.add_request(AddRequest(f"r{i}", [3] * (5 + i), SamplingParams(max_tokens=14)), 0.01 * i)
+        steps = []
+        while core.has_unfinished():
+            d.step()
+            step = core.last_step
+            steps.append(([r.request_id for r in step.admitted], [r.request_id for r in step.preempted]))
+        return steps
+
+    off = dict(admit_watermark=0.0, min_residency_s=0.0, rotary_yields=False, slo_chunking=False)
+    paper = trace("lvf-paper")
+    assert paper == trace("lvf", **off)
+    assert any(p for _, p in paper), "the case must rotate"
+    assert paper != trace("lvf")

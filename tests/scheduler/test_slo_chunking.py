@@ -76,9 +76,16 @@ def test_a_prompt_is_chunked_within_the_tbt_slo_while_others_decode():
     assert all(FIXED_S + PER_TOKEN_S * (c + 1) <= 0.1 for c in chunks)  # every step within the SLO
 
 
-def test_without_slo_chunking_or_under_a_baseline_the_prompt_takes_the_token_budget():
+def test_without_slo_chunking_the_prompt_takes_the_token_budget():
     assert prompt_chunks(slo_chunking=False) == [400]
-    assert prompt_chunks("fcfs", slo_chunking=True) == [400]  # the baselines are other systems: no cap
+    assert prompt_chunks("lvf-paper", slo_chunking=True) == [400]  # the paper's LVF has no cap
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "wf"])
+def test_the_cap_is_policy_agnostic_when_asked_and_off_by_default_for_baselines(policy):
+    chunks = prompt_chunks(policy, slo_chunking=True)
+    assert max(chunks) == CAP and sum(chunks) == 400
+    assert prompt_chunks(policy) == [400]  # the baselines' default: no cap
 
 
 def test_the_cap_lifts_when_the_prompts_slack_cannot_pay_for_it():

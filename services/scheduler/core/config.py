@@ -6,8 +6,10 @@ from dataclasses import Field, dataclass, field, fields, replace
 
 from shared.config import DEFAULT_BLOCK_SIZE, default_mirror_watermark, default_slo_chunking
 
-POLICIES = ("lvf", "fcfs", "sf", "wf", "trtllm", "lightllm", "ltr", "edf")
-SWAPPING = ("lvf", "sf", "wf")  # the others preempt by recompute (trtllm never preempts)
+POLICIES = ("lvf", "lvf-paper", "fcfs", "sf", "wf", "trtllm", "lightllm", "ltr", "edf")
+LVF_POLICIES = ("lvf", "lvf-paper")  # lvf-paper: LVF as the paper defines it, our guards off
+SWAPPING = ("lvf", "lvf-paper", "sf", "wf")
+LVF_WATERMARK = 0.25  # lvf's admit_watermark (lvf.py); the other policies' is 0  # the others preempt by recompute (trtllm never preempts)
 
 
 def _flag(default, help: str, **argparse_kw):
@@ -35,7 +37,9 @@ class SchedulerConfig:
 
     policy: str = _flag(
         "lvf",
-        "lvf: Largest-VLT-First rotation (SuperInfer); fcfs: FCFS with recompute preemption; "
+        "lvf: Largest-VLT-First rotation (SuperInfer) with our guards; lvf-paper: LVF exactly as the paper "
+        "defines it (min_residency_s 0, admit_watermark 0, rotary_yields and slo_chunking off, whatever "
+        "their flags say); fcfs: FCFS with recompute preemption; "
         "sf: swapped-first with swap preemption; wf: waiting-first with swap preemption; baselines "
         "(baselines.py, recompute preemption): trtllm: admit only with room for prompt + max_tokens, "
         "never preempt; lightllm: admit while the predicted peak KV fits; ltr: shortest predicted "
@@ -51,10 +55,10 @@ class SchedulerConfig:
     max_batched_tokens: int = _flag(512, "chunked-prefill token budget per step, decodes first (default %(default)s)")
     slo_chunking: bool | None = _flag(
         None,
-        "lvf: while requests decode, cap a step's prefill tokens so that its compute time (fitted from "
+        "any policy: while requests decode, cap a step's prefill tokens so that its compute time (fitted from "
         "the worker's reports) stays within their TBT SLO, as long as the prompts' TTFT slack can pay for "
-        "it (default: on with a GPU worker; off with a CPU one, whose decode step alone costs most of "
-        "the SLO)",
+        "it (default: lvf's, on with a GPU worker, off with a CPU one, whose decode step alone costs most "
+        "of the SLO; off for the other policies)",
         type=bool,
     )
     max_num_seqs: int = _flag(64, "requests per step at most (default %(default)s)")
@@ -98,10 +102,12 @@ class SchedulerConfig:
         "lvf: a paused request that has emitted tokens preempts only requests that have run this "
         "long since put on the GPU, in seconds (default %(default)s)",
     )
-    admit_watermark: float = _flag(
-        0.25,
-        "lvf: share of the HBM blocks a paused request may not take when others run: room for their "
-        "growth, which would otherwise preempt one of them (default %(default)s)",
+    admit_watermark: float | None = _flag(
+        None,
+        "any policy: share of the HBM blocks a paused request may not take when others run and HBM "
+        "cannot hold every live request: room for their growth, which would otherwise preempt one of "
+        f"them (default: {LVF_WATERMARK} for lvf, 0 for the other policies)",
+        type=float,
     )
     rotary_yields: bool = _flag(
         True,
@@ -123,6 +129,11 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r} (one of {', '.join(POLICIES)})")
+        if self.admit_watermark is None:
+            self.admit_watermark = LVF_WATERMARK if self.policy == "lvf" else 0.0
+        if self.policy == "lvf-paper":  # the paper's LVF: none of our guards
+            self.min_residency_s, self.admit_watermark, self.rotary_yields = 0.0, 0.0, False
+            self.slo_chunking = False
         for name in ("block_size", "max_batched_tokens", "max_num_seqs", "xfer_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -165,17 +176,24 @@ class SchedulerConfig:
     def mirrors(self) -> bool:
         """Whether synced blocks are mirrored to DRAM ahead of preemption (above the
         `mirror_watermark`)."""
-        return self.policy == "lvf" and self.eager_rotation
+        return self.is_lvf and self.eager_rotation
 
     def for_device(self, on_cpu: bool) -> SchedulerConfig:
         """This config with the knobs left to the worker's device (None) set for it."""
         return replace(
             self,
             mirror_watermark=default_mirror_watermark(on_cpu) if self.mirror_watermark is None else self.mirror_watermark,
-            slo_chunking=default_slo_chunking(on_cpu) if self.slo_chunking is None else self.slo_chunking,
+            slo_chunking=(default_slo_chunking(on_cpu) and self.policy == "lvf")
+            if self.slo_chunking is None
+            else self.slo_chunking,
         )
 
     @property
     def caps_prefill(self) -> bool:
         """Whether a step's prefill tokens are capped to keep decodes within their TBT SLO."""
-        return self.policy == "lvf" and bool(self.slo_chunking)
+        return bool(self.slo_chunking)
+
+    @property
+    def is_lvf(self) -> bool:
+        """lvf or lvf-paper: LVF's step while HBM cannot hold every live request."""
+        return self.policy in LVF_POLICIES

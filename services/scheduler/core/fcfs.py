@@ -85,8 +85,11 @@ def last_unscheduled(step: Step, order: list[Request]) -> Request | None:
 def admit_in_order(core: PolicyView, step: Step, candidates: Iterable[Request]) -> None:
     """Admit waiting/rotary requests in `candidates` order until one does not fit
     (head-of-line: a later request never jumps a blocked earlier one). With
-    `reserve_full_prompt` fitting means room for all its known tokens, not one chunk."""
+    `reserve_full_prompt` fitting means room for all its known tokens, not one chunk. While
+    others run and HBM cannot hold every live request, an admission leaves `admit_watermark`
+    of HBM free for their growth (0 by default for these policies; the ablation gives it them)."""
     memory = core.memory
+    watermark = 0 if step.fits_all else round(core.cfg.admit_watermark * memory.hbm.num_blocks)
     for req in candidates:
         if step.tokens_left == 0 or step.seqs_left == 0:
             return
@@ -98,6 +101,8 @@ def admit_in_order(core: PolicyView, step: Step, candidates: Iterable[Request]) 
         if num_new == 0:
             return  # the step's prefill cap is spent
         room = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
+        if core.running:
+            room += watermark
         step.num_blocks_wanted += room
         if req.status is Status.ROTARY:
             if not memory.can_swap_in(req, room, step.moves_left):

@@ -97,7 +97,7 @@ def _check_step(core: CoreState) -> None:
     assert not set(step.admitted) & set(step.preempted), f"step {step.step_id} admitted and preempted a request"
     assert all(step.is_scheduled(r) for r in step.admitted), f"step {step.step_id} admitted a request it left out"
     if step.num_preempted:
-        lvf_fits = step.fits_all and core.cfg.policy == "lvf"
+        lvf_fits = step.fits_all and core.cfg.is_lvf
         assert not lvf_fits, f"step {step.step_id} rotated although HBM held everything"
         assert step.free_hbm_at_start < step.num_blocks_wanted, (
             f"step {step.step_id} preempted with spare HBM ({step.free_hbm_at_start} free, "

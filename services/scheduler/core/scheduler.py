@@ -201,7 +201,7 @@ class SchedulerCore:
         )
         for req in self.running.values():
             memory.register(req)  # blocks filled by earlier steps become hits for this one
-        if cfg.policy == "lvf" and not step.fits_all:
+        if cfg.is_lvf and not step.fits_all:
             schedule_lvf(self, step)
         elif cfg.policy in BASELINE_STEPS:
             BASELINE_STEPS[cfg.policy](self, step)
