@@ -5,6 +5,7 @@
     superinfer queues|top|stats           # what the scheduler is doing (admin socket)
     superinfer abort ID | drain [--undo]  # operator commands (admin token)
     superinfer keys DIR                   # CURVE keys for --zmq-keys (tcp:// off loopback)
+    superinfer docs config                # regenerate docs/configuration.md from the flags
     superinfer bench model|matmul|kv|sched|grammar ...   # benchmarks (print numbers, write JSON)
 """
 
@@ -14,9 +15,10 @@ import argparse
 import importlib
 import os
 import sys
+from pathlib import Path
 
-from services import admin_cli, flags
-from shared import config, zmqsec
+from services import admin_cli, config_docs, flags
+from shared import config, log, zmqsec
 
 # `superinfer bench NAME` -> module with add_arguments(parser) and run(args) -> int. The one
 # door from the CLI up to bench/, opened by name only when a benchmark runs, so that no other
@@ -42,6 +44,13 @@ BENCHMARKS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="superinfer", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default=None, help="debug, info, warning, error")
+    parser.add_argument(
+        "--log-format",
+        choices=log.LOG_FORMATS,
+        default=os.environ.get(log.LOG_FORMAT_ENV, "auto"),
+        help="console: readable lines; json: one JSON object per line; auto: console on a terminal, "
+        f"JSON otherwise (default %(default)s, or ${log.LOG_FORMAT_ENV})",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="start gateway, scheduler and worker on this machine (ipc:// sockets)")
@@ -81,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     zmqsec.add_keys_arg(p)
 
     admin_cli.add_commands(sub)
+    docs = sub.add_parser("docs", help="regenerate the docs generated from the code")
+    docs = docs.add_subparsers(dest="docs", required=True, metavar="PAGE")
+    p = docs.add_parser("config", help="docs/configuration.md: every flag of every service, with its default")
+    p.add_argument("--output", default=str(config_docs.DEFAULT_PATH), help="where to write it; - for stdout")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 when the page differs from the flags")
     zmqsec.add_keys_command(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -97,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
         return _run_bench(argv[1], argv[2:])
     args = parser.parse_args(argv)
+    os.environ[log.LOG_FORMAT_ENV] = args.log_format  # this process's services and serve's children
     if args.command == "serve":
         from services.supervisor import serve
 
@@ -129,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         return admin_cli.run(args)
     if args.command == "keys":
         return zmqsec.run_keys(args)
+    if args.command == "docs":
+        return _write_config_docs(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
@@ -142,6 +159,21 @@ def _bind_compute_threads(num_ranks: int) -> None:
     if num_ranks == 1:
         os.environ.setdefault("OMP_PROC_BIND", "close")
         os.environ.setdefault("OMP_PLACES", "cores")
+
+
+def _write_config_docs(args: argparse.Namespace) -> int:
+    text = config_docs.render(build_parser)
+    if args.output == "-":
+        sys.stdout.write(text)
+    elif args.check:
+        path = Path(args.output)
+        if not path.exists() or path.read_text() != text:
+            print(f"{path} differs from the flags; regenerate it: {config_docs.REGENERATE}", file=sys.stderr)
+            return 1
+    else:
+        config_docs.write(text, Path(args.output))
+        print(f"wrote {args.output}")
+    return 0
 
 
 def _run_bench(name: str, argv: list[str]) -> int:
