@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
     if args.command == "scheduler":
-        from services.scheduler.service import run
+        from services.scheduler.main import run
 
         return run(args)
     if args.command == "worker":

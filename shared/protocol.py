@@ -4,7 +4,7 @@ Each socket carries one tagged union, encoded as msgpack (array-like structs, no
 
     gateway  -> scheduler : GatewayMsg    = GatewayHello | AddRequest | AbortRequest
     scheduler -> gateway  : GatewayReply  = StepOutputs | RequestError | SchedulerStats
-    scheduler -> worker   : WorkerMsg     = Plan
+    scheduler -> worker   : WorkerMsg     = Plan | ResetWorker
     worker   -> scheduler : WorkerReply   = WorkerReady | StepResult | WorkerError
     operator -> scheduler : AdminRequest  = QueuesQuery | StatsQuery | AbortCommand | DrainCommand
     scheduler -> operator : AdminReply    = QueuesReply | StatsReply | AdminAck | AdminError
@@ -211,7 +211,15 @@ class Plan(_Msg, tag="plan"):
     drop: list[str] = []
 
 
-WorkerMsg = Plan
+class ResetWorker(_Msg, tag="reset"):
+    """After the plans already sent: drop every request and announce again (`WorkerReady`).
+    Sent when the scheduler gave up on the worker's state (a step overdue or failed) and the
+    worker may still be there (frozen, slow): it comes back with empty pools, no restart."""
+
+    reason: str = ""
+
+
+WorkerMsg = Plan | ResetWorker
 
 
 class WorkerReady(_Msg, tag="ready"):
@@ -249,6 +257,9 @@ class StepResult(_Msg, tag="result"):
     # (once, in the step that samples the first token).
     logprobs: dict[str, TokenLogprobs] = {}
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    # Requests this step failed on its own (the step raised with them, twice, and ran without
+    # them): request id -> what was raised. The worker has dropped them.
+    failed: dict[str, str] = {}
 
 
 class WorkerError(_Msg, tag="worker_error"):

@@ -1,14 +1,22 @@
-"""Surviving a lost worker: when a step result is overdue, and how a live request is held
-and re-created on the next worker (see the scheduler service's docstring)."""
+"""Surviving a lost worker: when a step result is overdue, how a live request is held and
+re-created on the next worker, and the link that does it (see the scheduler service's docstring)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import statistics
+import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.scheduler.core import Request
-from shared import protocol as p
+import zmq
+import zmq.asyncio
+
+from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
+from services.scheduler.driver import Driver
+from shared import config, protocol as p
 
 STEP_TIMEOUT_S = 2.0  # a step result later than this (at least) means the worker is lost
 STEP_TIMEOUT_FACTOR = 10.0  # ... or this many median recent steps, when steps are slow
@@ -38,6 +46,17 @@ def step_deadline_s(recent: Sequence[tuple[float, int]], num_tokens: int, base_s
     )
 
 
+def out_of_vocab(req: p.AddRequest, vocab_size: int) -> str | None:
+    """A token id the model has no embedding for would fail the whole step on the worker
+    (and with it every request in that step): refuse it here, alone. 0: not reported."""
+    if not vocab_size:
+        return None
+    for t in (*req.prompt_token_ids, *req.output_token_ids, *req.params.logit_bias):
+        if not 0 <= t < vocab_size:
+            return f"token id {t} is outside the model's vocabulary (0..{vocab_size - 1})"
+    return None
+
+
 @dataclass(slots=True)
 class Held:
     """A request the scheduler holds while no worker is ready: new (arrived before any
@@ -60,3 +79,85 @@ def resubmission(r: Request) -> p.AddRequest:
         p.SLO(r.ttft_slo, r.tbt_slo),
         list(r.output_token_ids),
     )
+
+
+class WorkerLink:
+    """The scheduler's side of its one worker: the driver of a fresh core for each ready
+    worker, the requests held while none is ready, when a worker counts as lost, and the
+    reset that brings a frozen or failed one back without a restart (service.py's docstring)."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, cfg: SchedulerConfig, log, pipeline_depth: int | None,
+                 step_timeout_s: float) -> None:  # fmt: skip
+        self.sock = sock
+        self.cfg = cfg
+        self.log = log
+        self.pipeline_depth = pipeline_depth  # None: by the worker's device (config.default_pipeline_depth)
+        self.step_timeout_s = step_timeout_s
+        self.worker: p.WorkerReady | None = None
+        self.driver: Driver | None = None  # with a ready worker: its core and the plans in flight
+        self.held: list[Held] = []  # requests waiting for a ready worker, oldest first
+        self.step_times: deque[tuple[float, int]] = deque(maxlen=NUM_STEP_SAMPLES)  # (seconds, tokens)
+        self.last_result_at = 0.0
+        self.num_losses = 0
+        self.num_failed_steps = 0  # whole steps failed (WorkerError) since the last result
+
+    def hold(self, identity: bytes, req: p.AddRequest, now: float) -> str | None:
+        """Keep a new request until a worker is ready, within the same admission bounds as
+        the core's waiting queue (resumed requests were admitted already: they do not count).
+        Returns the refusal, if any."""
+        new = [h.req for h in self.held if not h.resumed]
+        num_tokens = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in new)
+        own = len(req.prompt_token_ids) + len(req.output_token_ids)
+        if refusal := self.cfg.admission_refusal(len(new), num_tokens, own):
+            return refusal
+        self.held.append(Held(identity, req, now))
+        return None
+
+    def connect(self, ready: p.WorkerReady, send) -> list[Held]:
+        """A fresh core and driver for `ready` (empty pools). Returns the held requests to
+        add to it, resumed ones first (they are older); none is held any more."""
+        self.worker = ready
+        on_cpu = ready.device.startswith("cpu")
+        # The worker owns the KV layout, so its block size wins.
+        cfg = dataclasses.replace(self.cfg, block_size=ready.block_size).for_device(on_cpu)
+        core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len, ready.model_name)
+        depth = self.pipeline_depth or config.default_pipeline_depth(on_cpu=on_cpu)
+        self.driver = Driver(core, send, depth, time.perf_counter)
+        self.step_times.clear()
+        held, self.held = self.held, []
+        self.log.info("worker ready", model=ready.model_name, device=ready.device, pipeline_depth=depth,
+                      hbm_blocks=ready.num_hbm_blocks, dram_blocks=ready.num_dram_blocks,
+                      num_resumed=sum(h.resumed for h in held))  # fmt: skip
+        return [h for h in held if h.resumed] + [h for h in held if not h.resumed]
+
+    def overdue(self, now: float) -> str | None:
+        """Why the worker is lost when the oldest plan's result is overdue; None while not."""
+        if self.driver is None or not self.driver.in_flight:
+            return None
+        oldest = self.driver.in_flight[0]
+        started = max(oldest.sent_at, self.last_result_at)
+        if now - started > step_deadline_s(self.step_times, oldest.num_tokens, self.step_timeout_s):
+            return f"step {oldest.step_id} not back after {now - started:.1f}s"
+        return None
+
+    def stepped(self, sent_at: float, num_tokens: int, now: float) -> None:
+        """A step's result is back: its time feeds the deadline."""
+        self.step_times.append((now - max(sent_at, self.last_result_at), num_tokens))
+        self.last_result_at = now
+        self.num_failed_steps = 0
+
+    def lose(self, owner: dict[str, bytes], reason: str, reset: bool) -> None:
+        """Hold every live request that has a gateway for the next ready worker; fail
+        nothing. `reset`: the worker may still be there (frozen, or its step failed): ask it
+        to drop everything and announce itself again once it gets to it."""
+        core = self.driver.core if self.driver is not None else None
+        live = sorted(core.requests.values(), key=lambda r: r.seq) if core else []
+        resumed = [Held(owner[r.request_id], resubmission(r), r.arrival, True) for r in live if r.request_id in owner]
+        self.held = resumed + self.held
+        self.num_losses += 1
+        self.driver = None
+        self.log.error("worker lost; holding live requests for the next worker", reason=reason,
+                       num_held=len(resumed), reset=reset)  # fmt: skip
+        if reset:
+            with contextlib.suppress(zmq.Again):  # no worker connected: the next one starts afresh
+                self.sock.send(p.encode(p.ResetWorker(reason)), flags=zmq.NOBLOCK)

@@ -15,7 +15,14 @@ worker has empty pools). Every live request is then held, with its prompt, the o
 tokens already streamed, its sampling params, SLOs and arrival time, and re-added to a fresh
 core when the next worker is ready: its KV is recomputed and it carries on. Tokens of the
 steps in flight at the crash were never streamed, so they are simply computed again; the
-worker seeds sampling per position, so outputs match an undisturbed run.
+worker seeds sampling per position, so outputs match an undisturbed run. An overdue worker
+is also sent `ResetWorker`: one that was only frozen (SIGSTOP, swapped out) answers it, once
+it runs again, with a new `WorkerReady`, so no supervisor is needed to serve again; its
+late results are for plans no longer in flight and are dropped (no token is sent twice).
+
+A step that raises fails only the requests that make it raise (the worker re-runs it, then
+isolates them: `StepResult.failed`), each with an error naming the fault. A step whose copies
+raise (`WorkerError`) is a lost worker that is reset, MAX_FAILED_STEPS in a row fail the rest.
 
 A gateway that goes silent for `GATEWAY_STALE_S` (it says hello every second) is gone: its
 requests are aborted, so a crashed or restarted gateway leaves nothing running here. A
@@ -25,14 +32,9 @@ should this scheduler answer again, aborts the old ones itself.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import dataclasses
-import os
-import signal
 import time
 import uuid
-from collections import defaultdict, deque
+from collections import defaultdict
 
 import msgspec
 import zmq
@@ -43,9 +45,8 @@ from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
 from services.scheduler.metrics import Flight, trace_line
-from services.scheduler.recovery import NUM_STEP_SAMPLES, STEP_TIMEOUT_S, Held, resubmission, step_deadline_s
+from services.scheduler.recovery import STEP_TIMEOUT_S, Held, WorkerLink, out_of_vocab
 from shared import config, protocol as p, zmqsec
-from shared.log import setup_logging
 
 MAX_RECV_PER_TICK = 256
 MAX_ADMIN_PER_TICK = 16  # admin queries are O(live requests): few per tick
@@ -53,20 +54,10 @@ STATS_INTERVAL_S = 1.0
 STATS_MIN_GAP_S = 0.05
 GATEWAY_STALE_S = 5.0  # a gateway not heard from this long is gone: its requests are aborted
 INVARIANT_CHECK_EVERY = 200  # steps
+MAX_FAILED_STEPS = 3  # whole steps failed in a row (each followed by a reset) before live requests fail
 DRAINING_MESSAGE = "the scheduler is draining: it admits no new requests"
 # SchedulerStats fields taken as they are from the core's stats().
 _STATS_COUNTS = [f for f in p.SchedulerStats.__struct_fields__ if f.startswith("num_")]
-
-
-def _out_of_vocab(req: p.AddRequest, vocab_size: int) -> str | None:
-    """A token id the model has no embedding for would fail the whole step on the worker
-    (and with it every request in that step): refuse it here, alone. 0: not reported."""
-    if not vocab_size:
-        return None
-    for t in (*req.prompt_token_ids, *req.output_token_ids, *req.params.logit_bias):
-        if not 0 <= t < vocab_size:
-            return f"token id {t} is outside the model's vocabulary (0..{vocab_size - 1})"
-    return None
 
 
 class SchedulerService:
@@ -94,17 +85,10 @@ class SchedulerService:
         self.admin_token = admin_token
         self.observer = admin.Observer(log, time.monotonic())
         self._draining = False
-        self.driver: Driver[Flight] | None = None  # with a ready worker: its core and the plans in flight
-        self.worker: p.WorkerReady | None = None
+        self.link = WorkerLink(self.back, cfg, log, pipeline_depth, step_timeout_s)
         self.owner: dict[str, bytes] = {}  # request_id -> gateway identity
         self.gateways: dict[bytes, float] = {}  # identity -> when it was last heard from
-        self.held: list[Held] = []  # requests waiting for a ready worker, oldest first
-        self.last_result_at = 0.0
-        self.step_times: deque[tuple[float, int]] = deque(maxlen=NUM_STEP_SAMPLES)  # (seconds, tokens)
-        self.step_timeout_s = step_timeout_s
-        self.num_worker_losses = 0
         self.idle = True  # nothing in flight and nothing to schedule
-        self.pipeline_depth = pipeline_depth  # None: by the worker's device (config.default_pipeline_depth)
         self.trace = open(step_trace, "a", buffering=1) if step_trace else None
         self.num_steps = 0
         self.last_stats = 0.0
@@ -112,8 +96,20 @@ class SchedulerService:
         self.stopping = False
 
     @property
+    def driver(self) -> Driver[Flight] | None:
+        return self.link.driver
+
+    @property
     def core(self) -> SchedulerCore | None:
         return self.driver.core if self.driver is not None else None
+
+    @property
+    def held(self) -> list[Held]:
+        return self.link.held
+
+    @held.setter
+    def held(self, value: list[Held]) -> None:
+        self.link.held = value
 
     @property
     def draining(self) -> bool:
@@ -193,7 +189,8 @@ class SchedulerService:
                 self._send_stats_to(identity)
             case p.AddRequest():
                 if self.core is None:
-                    self._hold(identity, msg)
+                    if refusal := self.link.hold(identity, msg, time.monotonic()):
+                        self._refuse(identity, msg.request_id, refusal, "overloaded")
                 else:
                     self._add(identity, msg)
             case p.AbortRequest(request_id=rid):
@@ -225,23 +222,12 @@ class SchedulerService:
             for rid in orphans:
                 self.abort(rid)
 
-    def _hold(self, identity: bytes, req: p.AddRequest) -> None:
-        """Keep a new request until a worker is ready, within the same admission bounds as
-        the core's waiting queue (resumed requests were admitted already: they do not count)."""
-        new = [h.req for h in self.held if not h.resumed]
-        num_tokens = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in new)
-        own = len(req.prompt_token_ids) + len(req.output_token_ids)
-        if refusal := self.cfg.admission_refusal(len(new), num_tokens, own):
-            self._refuse(identity, req.request_id, refusal, "overloaded")
-            return
-        self.held.append(Held(identity, req, time.monotonic()))
-
     def _add(self, identity: bytes, req: p.AddRequest, arrival: float | None = None) -> None:
         if self.draining:
             self._refuse(identity, req.request_id, DRAINING_MESSAGE, "service_unavailable")
             return
         now = time.monotonic() if arrival is None else arrival
-        if bad := _out_of_vocab(req, self.worker.vocab_size):
+        if bad := out_of_vocab(req, self.link.worker.vocab_size):
             self._refuse(identity, req.request_id, bad, "invalid_request_error")
             return
         try:
@@ -284,41 +270,35 @@ class SchedulerService:
                 self._on_worker_ready(msg)
             case p.StepResult():
                 self._on_result(msg)
-            case p.WorkerError(step_id=step, message=text):
-                self.log.error("worker step failed", step_id=step, error=text)
-                self._fail_all(f"worker error: {text}")
+            case p.WorkerError():
+                self._on_worker_error(msg)
+
+    def _on_worker_error(self, err: p.WorkerError) -> None:
+        """A step failed whole (its copies raised): the worker is reset and every live request
+        resumed on it, or failed once MAX_FAILED_STEPS came in a row."""
+        driver = self.driver
+        if driver is None or not driver.in_flight or driver.in_flight[0].step_id != err.step_id:
+            self.log.warning("worker error for a step not in flight", step_id=err.step_id, error=err.message)
+            return
+        self.link.num_failed_steps += 1
+        if self.link.num_failed_steps >= MAX_FAILED_STEPS:
+            message = f"the worker failed {self.link.num_failed_steps} steps in a row, the last with {err.message}"
+            for rid, owner in self.owner.items():
+                self._reply(owner, p.RequestError(rid, message, "internal_error"))
+            self.owner.clear()
+            self.observer.reset()
+            self.link.num_failed_steps = 0
+        self._lose_worker(f"worker step {err.step_id} failed: {err.message}", reset=True)
 
     def _on_worker_ready(self, ready: p.WorkerReady) -> None:
-        """A (new or restarted) worker with empty pools: a fresh core, then every held
+        """A (new, restarted or reset) worker with empty pools: a fresh core, then every held
         request, resumed ones first (they are older), each with its original arrival."""
         if self.core is not None:
             self._lose_worker("a new worker connected")
-        self.worker = ready
         self.observer.block_bytes = ready.block_bytes
         self.observer.metrics.exposed.model_name = ready.model_name
-        # The worker owns the KV layout, so its block size wins.
-        on_cpu = ready.device.startswith("cpu")
-        cfg = dataclasses.replace(self.cfg, block_size=ready.block_size).for_device(on_cpu)
-        core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len, ready.model_name)
-        depth = self.pipeline_depth or config.default_pipeline_depth(on_cpu=on_cpu)
-        self.driver = Driver(core, self._send_plan, depth, time.perf_counter)
-        self.step_times.clear()
-        self.log.info(
-            "worker ready",
-            model=ready.model_name,
-            device=ready.device,
-            pipeline_depth=depth,
-            hbm_blocks=ready.num_hbm_blocks,
-            dram_blocks=ready.num_dram_blocks,
-            num_resumed=sum(h.resumed for h in self.held),
-        )
-        held, self.held = self.held, []
-        for h in held:
-            if h.resumed:
-                self._resume(h)
-        for h in held:
-            if not h.resumed:
-                self._add(h.identity, h.req, h.arrival)
+        for h in self.link.connect(ready, self._send_plan):
+            self._resume(h) if h.resumed else self._add(h.identity, h.req, h.arrival)
 
     def _resume(self, h: Held) -> None:
         """Re-add a request that was live on the lost worker; its timeline carries on.
@@ -334,29 +314,14 @@ class SchedulerService:
         self.owner[h.req.request_id] = h.identity
 
     def _check_worker(self) -> None:
-        """Declare the worker lost when the oldest plan's result is overdue."""
-        if self.driver is None or not self.driver.in_flight:
-            return
-        now = time.monotonic()
-        oldest = self.driver.in_flight[0]
-        started = max(oldest.sent_at, self.last_result_at)
-        deadline = step_deadline_s(self.step_times, oldest.num_tokens, self.step_timeout_s)
-        if now - started > deadline:
-            self._lose_worker(f"step {oldest.step_id} not back after {now - started:.1f}s")
+        """Declare the worker lost when the oldest plan's result is overdue, and ask it to
+        reset should it be merely frozen."""
+        if reason := self.link.overdue(time.monotonic()):
+            self._lose_worker(reason, reset=True)
 
-    def _lose_worker(self, reason: str) -> None:
+    def _lose_worker(self, reason: str, reset: bool = False) -> None:
         """Hold every live request for the next worker; fail nothing."""
-        core = self.core
-        live = sorted(core.requests.values(), key=lambda r: r.seq) if core else []
-        resumed = [
-            Held(self.owner[r.request_id], resubmission(r), r.arrival, resumed=True)
-            for r in live
-            if r.request_id in self.owner
-        ]
-        self.held = resumed + self.held
-        self.num_worker_losses += 1
-        self.log.error("worker lost; holding live requests for the next worker", reason=reason, num_held=len(resumed))
-        self.driver = None
+        self.link.lose(self.owner, reason, reset)
         self.idle = True
         self.stats_changed = True
 
@@ -369,8 +334,9 @@ class SchedulerService:
         flight, outputs = applied
         core = self.driver.core  # kept: planning below may lose the worker
         self.stats_changed = True
-        self.step_times.append((now - max(flight.sent_at, self.last_result_at), flight.num_tokens))
-        self.last_result_at = now
+        self.link.stepped(flight.sent_at, flight.num_tokens, now)
+        if result.failed:
+            self._fail_requests(result.failed, now)
         stalled = self.observer.stepped(flight, result, now)
         self.observer.outputs(outputs, now)
         if self.trace:
@@ -390,12 +356,16 @@ class SchedulerService:
         if self.num_steps % INVARIANT_CHECK_EVERY == 0 or not core.has_unfinished():
             core.check_invariants()
 
-    def _fail_all(self, reason: str) -> None:
-        for rid, owner in self.owner.items():
-            self._reply(owner, p.RequestError(rid, reason, "internal_error"))
-        self.owner.clear()
-        self.observer.reset()
-        self.driver = None
+    def _fail_requests(self, failed: dict[str, str], now: float) -> None:
+        """Requests the worker's step raised on, twice and alone: each ends with the fault."""
+        for rid, error in failed.items():
+            self.log.error("request_failed_by_worker", request_id=rid, error=error)
+            out = self.core.abort_request(rid, now)
+            self.observer.ended(rid, "abort", now)
+            owner = self.owner.pop(rid, None)
+            if out is not None and owner is not None:
+                message = f"the worker's step raised on this request ({error}); it alone was failed"
+                self._reply(owner, p.RequestError(rid, message, "internal_error"))
 
     # ------------------------------------------------------------ stepping and stats
 
@@ -443,7 +413,7 @@ class SchedulerService:
         self._reply(identity, self.stats())
 
     def stats(self) -> p.SchedulerStats:
-        w = self.worker
+        w = self.link.worker
         counts = self.core.stats() if self.core else {"num_waiting": len(self.held)}
         return p.SchedulerStats(
             scheduler_id=self.id,
@@ -464,34 +434,3 @@ class SchedulerService:
         self.curve.close()
         self.ctx.term()
 
-
-def run(args: argparse.Namespace) -> int:
-    log = setup_logging("scheduler", args.log_level)
-    if reason := zmqsec.refusal([args.bind, args.worker_bind, args.admin_bind], args.zmq_keys, zmqsec.SERVER):
-        log.error("refusing to start", reason=reason)
-        return 2
-    service = SchedulerService(
-        SchedulerConfig.from_flags(args),
-        args.bind,
-        args.worker_bind,
-        log,
-        args.pipeline_depth,
-        args.step_trace,
-        admin_bind=args.admin_bind,
-        admin_token=args.admin_token or os.environ.get(config.ADMIN_TOKEN_ENV) or None,
-        step_timeout_s=args.step_timeout,
-        zmq_keys=args.zmq_keys,
-    )
-    metrics_server = service.observer.metrics.serve(args.metrics_host, args.metrics_port, log)
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: setattr(service, "stopping", True))
-        await service.run()
-
-    asyncio.run(main())
-    if metrics_server is not None:
-        metrics_server.shutdown()
-    log.info("scheduler stopped")
-    return 0

@@ -180,6 +180,28 @@ class ModelRunner:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    # ------------------------------------------------------------ undoing a failed step
+
+    def checkpoint(self, scheduled: list[ScheduledRequest]) -> dict[str, tuple]:
+        """What a step may change of its scheduled requests, for `rollback` should it raise:
+        a re-run then starts from the same state (no token, block or logprob added twice)."""
+        saved = {}
+        for s in scheduled:
+            if (r := self._requests.get(s.request_id)) is not None:
+                saved[s.request_id] = (len(r.token_ids), list(r.block_table), r.scores_prompt, list(r.prompt_logprobs))
+        return saved
+
+    def rollback(self, saved: dict[str, tuple]) -> None:
+        """Back to `checkpoint`'s state. A grammar's matcher is rebuilt from the outputs kept
+        (it may have consumed a token the step never appended)."""
+        for rid, (num_tokens, table, scores_prompt, prompt_logprobs) in saved.items():
+            if (r := self._requests.get(rid)) is None:
+                continue
+            del r.token_ids[num_tokens:]
+            r.block_table, r.scores_prompt, r.prompt_logprobs = table, scores_prompt, prompt_logprobs
+            if r.constraint is not None:
+                r.constraint = self.grammars.constraint(r.params.grammar, rid, r.token_ids[r.num_prompt :])
+
     # ------------------------------------------------------------ one step
 
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[str], list[int]]:

@@ -7,7 +7,13 @@ that loaded the model), the sockets on an event loop in an `io` thread.
 Every connection to a scheduler starts from nothing: when a handshake succeeds (the first
 one, or a restarted scheduler's), the worker finishes the plans it already has, drops
 every request it knows, and announces itself with `WorkerReady`. The scheduler's fresh
-core counts all blocks free, so the KV pools need no clearing.
+core counts all blocks free, so the KV pools need no clearing. A `ResetWorker` from the
+scheduler does the same on the connection it has: the scheduler gave up on this worker's
+state (a step overdue, say while the process was frozen, or a step whose copies raised), and
+the worker comes back with no restart.
+
+A step that raises costs only the requests that make it raise (executor.py); the fault
+injection that tests it (faults.py) is off unless `SUPERINFER_FAULTS` is set.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import queue
 import signal
 import threading
@@ -28,97 +35,18 @@ import zmq.asyncio
 
 from services.worker import cpu_kernels, tp
 from services.worker.kv_pool import KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
+from services.worker.executor import StepExecutor
+from services.worker.faults import FAULTS_ENV, Faults
+from services.worker.faults import refusal as fault_refusal
 from services.worker.grammar import GrammarCompiler
 from services.worker.runner import ModelRunner, load_model
 from services.worker.tp import TPGroup
-from services.worker.transfer import Transfer, TransferEngine
+from services.worker.transfer import TransferEngine
 from shared import config, protocol as p, zmqsec
 from shared.log import setup_logging
 from shared.modelfile import ModelConfig, read_model_config, resolve_model_path
 
 RESET = object()  # the step thread's marker: a (new) scheduler connected
-RESET_STEP = -1  # the reset plan's step id: one before any scheduler's first
-
-
-class StepExecutor:
-    """One Plan → one StepResult, in plan order on one step thread.
-
-    Compute waits only for the swap-ins it reads: on CUDA the compute stream waits for their
-    event, the host does not. The out-direction copies (swap-outs and eager mirrors) are
-    queued with their step, before its compute: they wait for the previous step's compute
-    (which wrote their blocks), overlap this one's, and finish before the step is reported.
-    The next plan's swap-ins start while this step computes (`prefetch`, called from the
-    socket loop when that plan arrives), beside the compute, unless they target a block this
-    step's compute reads or writes; then they start with their own step (the block reuse
-    rule, services/scheduler/core/blocks.py, part 3)."""
-
-    def __init__(self, runner: ModelRunner, engine: TransferEngine) -> None:
-        self.runner = runner
-        self.engine = engine
-        self._lock = threading.Lock()  # guards the three fields below and engine.submit
-        self._computing_step: int | None = None
-        self._computing_blocks: set[int] = set()
-        self._prefetched: dict[int, tuple[Transfer, float]] = {}
-
-    def prefetch(self, plan: p.Plan) -> None:
-        if not plan.swap_in:
-            return
-        with self._lock:
-            if self._computing_step != plan.step_id - 1:
-                return  # the previous step is not computing yet; copy in order later
-            if any(h in self._computing_blocks for _, h in plan.swap_in):
-                return
-            # Not after the compute in flight: it touches none of these blocks.
-            transfer = self.engine.submit(plan.swap_in, after_compute=False)
-            self._prefetched[plan.step_id] = (transfer, time.perf_counter())
-
-    def try_prefetch(self, plan: p.Plan, log) -> None:
-        """`prefetch` from the socket loop: a refusal there is no error (the step submits
-        its copies itself, and reports any failure as its result)."""
-        try:
-            self.prefetch(plan)
-        except Exception as e:
-            log.warning("prefetch skipped", step_id=plan.step_id, error=str(e))
-
-    def reset_plan(self) -> p.Plan:
-        """A plan that computes nothing and drops every request (on every rank)."""
-        return p.Plan(RESET_STEP, drop=self.runner.request_ids())
-
-    def __call__(self, plan: p.Plan, plan_wait_s: float) -> p.StepResult:
-        t0 = time.perf_counter()
-        self.runner.drop(plan.drop)
-        self.runner.add_requests(plan.new_requests)
-        with self._lock:
-            swap_in, started = self._prefetched.pop(plan.step_id, (None, t0))
-            if swap_in is None:
-                swap_in = self.engine.submit(plan.swap_in)
-            out = self.engine.submit((), plan.swap_out, plan.eager)
-            self._computing_step = plan.step_id
-            self._computing_blocks = self.runner.blocks_touched(plan.scheduled)
-        t1 = time.perf_counter()
-        stalled = swap_in.fence_in()
-        tokens = self.runner.execute_step(plan.scheduled)
-        t2 = time.perf_counter()
-        out.wait_out()
-        t3 = time.perf_counter()
-        # The compute waited `wait_s` for the swap-ins: on the host (CPU) or on the device
-        # (CUDA, inside t2 - t1 either way).
-        wait_s = stalled() if plan.swap_in else 0.0
-        compute_s = max(0.0, (t2 - t1) - wait_s)
-        moved = plan.swap_in or plan.swap_out or plan.eager
-        return p.StepResult(
-            plan.step_id,
-            tokens.request_ids,
-            tokens.token_ids,
-            p.StepTimings(
-                transfer_s=(t3 - started) - compute_s if moved else 0.0,
-                compute_s=compute_s,
-                transfer_wait_s=wait_s,
-                plan_wait_s=plan_wait_s,
-            ),
-            tokens.logprobs,
-            tokens.prompt_logprobs,
-        )
 
 
 class WorkerService:
@@ -196,6 +124,10 @@ class WorkerService:
                 plan = p.worker_msg_decoder.decode(payload)
             except msgspec.DecodeError as e:
                 self.log.warning("undecodable plan", error=str(e))
+                continue
+            if isinstance(plan, p.ResetWorker):
+                self.log.warning("scheduler asked for a reset", reason=plan.reason)
+                plans.put((RESET, time.perf_counter()))
                 continue
             plans.put((plan, time.perf_counter()))
             self.execute.try_prefetch(plan, self.log)
@@ -320,9 +252,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         max_model_len(read_model_config(resolve_model_path(args.model)), args.max_model_len)
+        faults = Faults.from_env()
     except ValueError as e:
         log.error("refusing to start", reason=str(e))
         return 2
+    if reason := fault_refusal(os.environ.get(FAULTS_ENV, ""), [args.connect], args.zmq_keys):
+        log.error("refusing to start", reason=reason)
+        return 2
+    if faults.enabled:
+        log.warning("fault injection is on", spec=os.environ.get(FAULTS_ENV))
     device = resolve_device(args.device)
     num_ranks = args.tp
     t0 = time.perf_counter()
@@ -337,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         runner, engine, ready = build_worker(args, device, group)
         log.info("model loaded", model=ready.model_name, tp=num_ranks, seconds=round(time.perf_counter() - t0, 2))
-        execute = StepExecutor(runner, engine)
+        execute = StepExecutor(runner, engine, faults)
         if group is not None:
             execute = tp.DriverExecutor(execute, group, ranks)
         service = WorkerService(args.connect, ready, execute, log, args.zmq_keys)

@@ -37,7 +37,12 @@ def undisturbed(prompt: list[int], max_tokens: int) -> list[int]:
 
 class ToyWorker:
     """Executes plans in order, checks the plan's positions against what it has computed,
-    and replies unless hung. `kill()` closes its socket at once, like SIGKILL."""
+    and replies unless hung. `kill()` closes its socket at once, like SIGKILL; `frozen` (an
+    Event cleared) stops it where it is, like SIGSTOP, and setting it again is SIGCONT.
+    `ResetWorker` is answered as the worker does: forget everything, announce again.
+    `fail_step` answers that step with a `WorkerError` once; requests in `fail_requests`
+    are failed by every step that computes them (as the worker reports a request that makes
+    its step raise)."""
 
     def __init__(self, addr: str, step_s: float = 0.005, device: str = "cpu") -> None:
         self.ctx = zmq.asyncio.Context()
@@ -52,17 +57,33 @@ class ToyWorker:
         self.computed: dict[str, int] = {}
         self.hung = False
         self.num_steps = 0
+        self.num_resets = 0
+        self.frozen = asyncio.Event()
+        self.frozen.set()  # set: running
+        self.fail_step: int | None = None
+        self.fail_requests: set[str] = set()
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         ready = p.WorkerReady("toy", NUM_HBM_BLOCKS, 256, BLOCK_SIZE, 256, self.device, vocab_size=VOCAB_SIZE)
         await self.sock.send(p.encode(ready))
         while True:
+            await self.frozen.wait()
             plan = p.worker_msg_decoder.decode(await self.sock.recv())
+            await self.frozen.wait()
+            if isinstance(plan, p.ResetWorker):
+                self.tokens.clear()
+                self.num_resets += 1
+                await self.sock.send(p.encode(ready))
+                continue
             self.computing = plan.step_id
             self.scheduled[plan.step_id] = [s.request_id for s in plan.scheduled]
             await asyncio.sleep(self.step_s)
-            if not self.hung:
+            await self.frozen.wait()
+            if plan.step_id == self.fail_step:
+                self.fail_step = None
+                await self.sock.send(p.encode(p.WorkerError(plan.step_id, "RuntimeError: a copy failed")))
+            elif not self.hung:
                 await self.sock.send(p.encode(self.execute(plan)))
 
     def execute(self, plan: p.Plan) -> p.StepResult:
@@ -74,7 +95,14 @@ class ToyWorker:
             self.tokens[new.request_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
             fresh.add(new.request_id)
         ids, toks = [], []
+        failed = {}
         for s in plan.scheduled:
+            if s.request_id not in self.tokens:  # failed in an earlier step
+                continue
+            if s.request_id in self.fail_requests:
+                failed[s.request_id] = f"InjectedFault: computing request {s.request_id} raises"
+                del self.tokens[s.request_id]
+                continue
             tokens = self.tokens[s.request_id]
             if s.request_id in fresh or s.block_table is not None:
                 if s.num_computed_tokens % BLOCK_SIZE == 0:
@@ -88,7 +116,7 @@ class ToyWorker:
                 ids.append(s.request_id)
                 toks.append(tokens[-1])
         self.num_steps += 1
-        return p.StepResult(step_id=plan.step_id, request_ids=ids, token_ids=toks)
+        return p.StepResult(step_id=plan.step_id, request_ids=ids, token_ids=toks, failed=failed)
 
     async def kill(self) -> None:
         self.task.cancel()

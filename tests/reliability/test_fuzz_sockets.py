@@ -161,7 +161,7 @@ def test_scheduler_worker_socket_survives_garbage(batch):
             for frames in batch:
                 await worker.sock.send_multipart(frames)
             await probe(rig)
-            assert rig.service.num_worker_losses == 0
+            assert rig.service.link.num_losses == 0
         finally:
             await worker.kill()
 

@@ -52,7 +52,7 @@ def test_killed_worker_requests_resume_on_the_next_with_identical_outputs(tmp_pa
         killed_at = len(rig.gateway.token_times)
         second = await finish_on_a_new_worker(rig)
         assert killed_at < NUM_REQUESTS * MAX_TOKENS  # the kill came mid-way
-        assert rig.service.num_worker_losses == 1
+        assert rig.service.link.num_losses == 1
         assert second.num_steps > 0
 
     asyncio.run(run_rig(tmp_path, scenario))
