@@ -7,7 +7,8 @@ import statistics
 from services.scheduler.core import POLICIES
 
 SYSTEMS = (*POLICIES, "neo")  # what the reproduction compares: our core's policies, and NEO on vllm-v1's
-BASELINES = tuple(p for p in SYSTEMS if p != "lvf")
+LVFS = ("lvf-paper", "lvf")  # the paper's LVF (none of our guards) and ours
+BASELINES = tuple(p for p in SYSTEMS if p not in LVFS)
 LABELS = {"fcfs": "vllm-v1"}  # our fcfs is vLLM V1's scheduler (FCFS, recompute preemption)
 SPREAD_KEYS = ("ttft_attainment", "tbt_attainment", "tbt_request_attainment")
 PAPER_STEP = {"schedule_ms": 7.6, "transfer_ms": 15.8, "model_ms": 69.8, "stall_pct": 0.021}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -21,34 +22,44 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.live import workload
-from bench.live.workload import ChatSpec
+from bench.live.workload import ChatSpec, SyntheticSpec
 from bench.report import plots, reproduction
 from bench.report.metrics import RequestRecord
-from bench.report.rows import BASELINES, PAPER_STEP, SYSTEMS, at, compare, mean_rows, name, pct
+from bench.report.rows import SYSTEMS, mean_rows, name
 from bench.sim import engine, sweep
 from bench.sim.costmodel import GB, MODELS, MODES, ideal_time, load_hardware, transfer_time
 from services.scheduler.core import SchedulerConfig
-from services.scheduler.core.config import SWAPPING
 from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 
 HERE = Path(__file__).resolve().parents[1]  # bench/
-RATES = (4, 8, 12, 16, 20)
+# ShareGPT's single first turns (the paper's workload) on the calibrated gh200: its compute
+# saturates near 7 req/s (~1.4 k output tok/s), the top rate is past it.
+RATES = (2, 4, 6, 8, 12)
 MAX_TOKENS = 2048  # what the clients ask as max_tokens (a chat front-end's cap); outputs end at their true length
 VLLM_BXFER = 300  # the paper's B_xfer on vLLM's swap path (Fig. 17)
-BXFER_SWEEP = (24, 96, 384, 1200, 2400, 4800)
-# Fig. 16's other models, each at the Qwen rates times its factor: about where each model's
-# compute saturates on gh200 as 20 req/s is where Qwen2.5-32B's does (its output tok/s stops rising).
-MODEL_ROWS = {"llama3-8b": 5.0, "mixtral-8x7b": 2.5}
+LVFS = ("lvf-paper", "lvf")  # the paper's LVF (no guard of ours) and ours (our defaults)
 # ShareGPT conversations turn by turn, each turn's prompt the whole history (their real lengths, up
 # to a 32k context), arriving at these rates (conversations/s): on the paper's 144 GB the KV-cache
 # fills before the GPU's compute does, where ShareGPT's single first turns never fill it.
-CONVERSATIONS, CONV_RATES = 700, (2, 4, 6, 8, 10)
+CONVERSATIONS, CONV_RATES = 300, (2, 4, 6, 8)
 CHAT = ChatSpec(multi_turn=True)
-PRESSURE = (0.3,)  # Fig. 16 again with the HBM pool cut to these shares of the profile's
+# LMSYS-Chat-1M's length mix as a synthetic workload: its published means (Zheng et al., 2023,
+# arXiv 2309.11998, Table 1: 69.5 prompt and 214.5 response tokens per turn); lognormal lengths
+# with sigma 1 (the spread is ours: the data set does not ship with us).
+LMSYS = SyntheticSpec(input_len=70, output_len=215, dist="lognormal", spread=1.0)
+LMSYS_RATES = (4, 8, 12)
+# The guards of ours that the ablation adds one at a time to lvf-paper (their lvf defaults), and
+# the two that work with any policy, which it also gives vllm-v1 (fcfs) and wf.
+GUARDS = {"admit_watermark": 0.25, "min_residency_s": 16.0, "rotary_yields": True, "slo_chunking": True}
+GUARDS_OFF = {"admit_watermark": 0.0, "min_residency_s": 0.0, "rotary_yields": False, "slo_chunking": False}
+AGNOSTIC = ("admit_watermark", "slo_chunking")
+# Sensitivity (Figs. 18-21) on the conversations, where LVF rotates, at CONV_KNOB_RATE.
+CONV_KNOB_RATE = 6
 KNOB_SWEEPS = {
-    "alpha": (0.5, 1.0, 3.0, 5.0, 10.0),
-    "beta_f": (0.0, 0.25, 0.5, 0.75, 1.0),
-    "beta_b": (0.0, 0.25, 0.5, 1.0, 2.0),
+    "alpha": (1.0, 3.0, 10.0),
+    "beta_f": (0.0, 0.5, 1.0),
+    "beta_b": (0.0, 1.0, 2.0),
+    "xfer_budget": (96, 600, 2400),
 }
 
 
@@ -66,6 +77,7 @@ class Ctx:
         self.num_runs = 0
         self._rows: dict[str, dict] = {}  # Ctx.run's rows by job
         self._conversations: dict[int, list] | None = None
+        self._lmsys: dict[int, list] | None = None
 
     def setup(
         self, policy: str, mode: str = "duplex", hw=None, hbm: int | None = None, model=None, **knobs
@@ -95,19 +107,26 @@ class Ctx:
 
     def run(self, jobs: list[sweep.Job], workload: str = "sharegpt") -> list[dict]:
         """One row per job: its mean over the seeds, with the spreads (rows.mean_rows), on the
-        ShareGPT requests or the ShareGPT `conversations`. A job run before (the same workload,
+        ShareGPT requests, the `lmsys` mix or the ShareGPT `conversations`. A job run before (the same workload,
         rate and setup in another figure) is not run again."""
         key = lambda j: repr((workload, j.rate, j.setup))  # noqa: E731
         new = list({key(j): j for j in jobs if key(j) not in self._rows}.values())
         self.num_runs += len(new) * len(self.seeds)
         if new:
             t0 = time.perf_counter()
-            items = self.items_by_seed if workload == "sharegpt" else self.conversations()
+            items = {"sharegpt": self.items_by_seed, "lmsys": self.lmsys()}.get(workload) or self.conversations()
             rows = mean_rows(sweep.sweep_seeds(items, new, 5.0, 0.1, num_procs=self.args.jobs))
             self._rows.update(zip(map(key, new), rows))
             took = time.perf_counter() - t0
             print(f"  {len(new)} jobs x {len(self.seeds)} seeds on {workload} in {took:.0f} s", file=sys.stderr)
         return [self._rows[key(j)] for j in jobs]
+
+    def lmsys(self) -> dict[int, list]:
+        """Each seed's requests of LMSYS-Chat-1M's length mix (LMSYS), as many as --num-requests."""
+        if self._lmsys is None:
+            n = self.args.num_requests
+            self._lmsys = {s: sweep.load_items("synthetic", n, s, synthetic=LMSYS) for s in self.seeds}
+        return self._lmsys
 
     def conversations(self) -> dict[int, list]:
         """Each seed's ShareGPT conversations (CHAT), loaded on first use."""
@@ -133,68 +152,40 @@ def simulated_records(items: list, setup: engine.SimSetup) -> list[RequestRecord
 # ---------------------------------------------------------------- experiments
 
 
-def fig16(ctx: Ctx, hw=None, baseline_mode: str = "duplex", hbm: int | None = None, policies=SYSTEMS) -> list[dict]:
-    jobs = [
-        sweep.Job(r, ctx.setup(p, "duplex" if p == "lvf" else baseline_mode, hw, hbm))
-        for p in policies
-        for r in ctx.args.rates
-    ]
-    return ctx.run(jobs)
+def mode_of(policy: str, baseline_mode: str = "duplex") -> str:
+    return "duplex" if policy in LVFS else baseline_mode
 
 
-def fig16_models(ctx: Ctx) -> list[dict]:
-    """Fig. 16's policies on the paper's other two models, at the lowest, middle and highest of
-    the rates scaled per model (MODEL_ROWS)."""
-    rates = sorted(ctx.args.rates)
-    jobs = [
-        sweep.Job(r * factor, ctx.setup(p, model=MODELS[key]))
-        for key, factor in MODEL_ROWS.items()
-        for p in SYSTEMS
-        for r in dict.fromkeys((rates[0], rates[len(rates) // 2], rates[-1]))
-    ]
-    return ctx.run(jobs)
+def fig16(ctx: Ctx, workload: str = "sharegpt", rates=None) -> list[dict]:
+    """Fig. 16's policies (both LVFs and every baseline) on `workload`: the paper's ShareGPT
+    single turns, LMSYS-Chat-1M's length mix (`lmsys`), or the conversations (prefix caching on
+    for all, vLLM V1's default; then sf and wf once more on vLLM's swap path at the top rate)."""
+    conv = workload == "conversations"
+    rates = rates or (CONV_RATES if conv else LMSYS_RATES if workload == "lmsys" else ctx.args.rates)
+    jobs = [sweep.Job(r, ctx.setup(p, enable_prefix_caching=conv)) for p in SYSTEMS for r in rates]
+    if conv:
+        jobs += [sweep.Job(rates[-1], ctx.setup(p, "vllm", enable_prefix_caching=True)) for p in ("sf", "wf")]
+    return ctx.run(jobs, workload)
 
 
-def fig16_conv(ctx: Ctx) -> list[dict]:
-    """Fig. 16's policies on the ShareGPT conversations, prefix caching on for all (vLLM V1's
-    default; a later turn's history is then found in HBM if it is still there), on our copy
-    engine; then sf and wf once more on vLLM's swap path, as vLLM runs them (at the highest rate:
-    Fig. 1)."""
-    jobs = [sweep.Job(r, ctx.setup(p, enable_prefix_caching=True)) for p in SYSTEMS for r in CONV_RATES]
-    jobs += [sweep.Job(r, ctx.setup(p, "vllm", enable_prefix_caching=True)) for p in ("sf", "wf") for r in CONV_RATES[-1:]]
-    return ctx.run(jobs, "conversations")
+def ablation_setups(ctx: Ctx, conv: bool) -> list[tuple[str, engine.SimSetup]]:
+    """(label, setup): lvf-paper, lvf-paper plus each guard alone (lvf with the other three off),
+    lvf; vllm-v1 and wf bare and with each policy-agnostic guard."""
+    pc = {"enable_prefix_caching": conv}
+    out = [("lvf-paper", ctx.setup("lvf-paper", **pc))]
+    out += [(f"lvf-paper + {g}", ctx.setup("lvf", **{**GUARDS_OFF, g: GUARDS[g]}, **pc)) for g in GUARDS]
+    out += [("lvf (all four)", ctx.setup("lvf", **pc))]
+    for p in ("fcfs", "wf"):
+        out += [(name(p), ctx.setup(p, **pc))]
+        out += [(f"{name(p)} + {g}", ctx.setup(p, **{g: GUARDS[g]}, **pc)) for g in AGNOSTIC]
+    return out
 
 
-def paper_speed(ctx: Ctx, rows16: list[dict]):
-    """The gh200 profile slowed so that LVF's mean model time per step at the highest rate
-    equals the paper's measured 69.8 ms (both efficiencies divided by one factor)."""
-    top = max(ctx.args.rates)
-    ours = next(r for r in rows16 if r["policy"] == "lvf" and r["rate"] == top)["compute_ms_mean"]
-    over = ctx.hw.step_overhead_s * 1e3
-    factor = max(1.0, (PAPER_STEP["model_ms"] - over) / max(ours - over, 1e-9))
-    hw = replace(
-        ctx.hw,
-        name="gh200 (paper speed)",
-        compute_efficiency=ctx.hw.compute_efficiency / factor,
-        hbm_efficiency=ctx.hw.hbm_efficiency / factor,
-    )
-    return hw, factor
-
-
-def pressure(ctx: Ctx) -> list[dict]:
-    """Fig. 16 with less HBM for the KV cache (the same requests and rates): more memory
-    pressure at every rate."""
-    full = ctx.setup("lvf").num_hbm_blocks
-    return [r for share in PRESSURE for r in fig16(ctx, hbm=round(full * share))]
-
-
-def conv_ablation(ctx: Ctx) -> list[dict]:
-    """Where LVF's lead on the conversations comes from, at their highest rate: LVF without its
-    admission watermark, and LVF and vllm-v1 without prefix caching."""
-    top = max(CONV_RATES)
-    jobs = [sweep.Job(top, ctx.setup("lvf", admit_watermark=0.0, enable_prefix_caching=True))]
-    jobs += [sweep.Job(top, ctx.setup(p, enable_prefix_caching=False)) for p in ("lvf", "fcfs")]
-    return ctx.run(jobs, "conversations")
+def ablation(ctx: Ctx, workload: str, rate: float) -> list[dict]:
+    """The guard ablation at one rate: each row labelled (`variant`)."""
+    labelled = ablation_setups(ctx, workload == "conversations")
+    rows = ctx.run([sweep.Job(rate, s) for _, s in labelled], workload)
+    return [{**r, "variant": label} for (label, _), r in zip(labelled, rows)]
 
 
 def fig1(ctx: Ctx, rate: float, out: Path) -> dict:
@@ -206,26 +197,28 @@ def fig1(ctx: Ctx, rate: float, out: Path) -> dict:
     return recs
 
 
-def fig17(ctx: Ctx) -> list[dict]:
-    """LVF on vLLM's swap path with the paper's B_xfer and with a large one, and on DuplexKV,
-    on the conversations (where it rotates)."""
+def fig17(ctx: Ctx, rate: float) -> list[dict]:
+    """Both LVFs on vLLM's swap path with the paper's B_xfer and with a large one, and on
+    DuplexKV, on the conversations (where they rotate)."""
     large = ctx.hw.defaults["xfer_budget"]
     variants = [("vllm", VLLM_BXFER), ("vllm", large), ("duplex", large)]
     jobs = [
-        sweep.Job(r, ctx.setup("lvf", mode, xfer_budget=b, enable_prefix_caching=True))
+        sweep.Job(rate, ctx.setup(p, mode, xfer_budget=b, enable_prefix_caching=True))
+        for p in LVFS
         for mode, b in variants
-        for r in CONV_RATES
     ]
     return ctx.run(jobs, "conversations")
 
 
-def fig21(ctx: Ctx, rate: float) -> list[dict]:
-    jobs = [sweep.Job(rate, ctx.setup("lvf", mode, xfer_budget=b)) for mode in ("duplex", "naive") for b in BXFER_SWEEP]
-    return ctx.run(jobs)
-
-
 def knob_sweeps(ctx: Ctx, rate: float) -> dict[str, list[dict]]:
-    return {k: ctx.run([sweep.Job(rate, ctx.setup("lvf", **{k: v})) for v in vals]) for k, vals in KNOB_SWEEPS.items()}
+    """Figs. 18-21: each knob swept for both LVFs on the conversations (where they rotate)."""
+    return {
+        k: ctx.run(
+            [sweep.Job(rate, ctx.setup(p, enable_prefix_caching=True, **{k: v})) for p in LVFS for v in vals],
+            "conversations",
+        )
+        for k, vals in KNOB_SWEEPS.items()
+    }
 
 
 def table1(ctx: Ctx) -> list[dict]:
@@ -241,46 +234,6 @@ def table1(ctx: Ctx) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------- checks
-
-
-def claims(rows: list[dict], rates, unit: str = "req/s") -> list[tuple[str, str, bool]]:
-    """The paper's Fig. 16 claims as the issue states them, checked on our rows (means over
-    the seeds; a difference within the spread is a tie): (claim, what we measured, holds)."""
-    hi, lo = max(rates), min(rates)
-    lvf, v1 = at(rows, "lvf", hi), at(rows, "fcfs", hi)
-    gap, gap_spread = compare(lvf, v1, "ttft_attainment")
-    best = max((at(rows, p, hi) for p in SYSTEMS), key=lambda r: r["tbt_attainment"])
-    tbt_gap, tbt_spread = compare(best, lvf, "tbt_attainment")
-    beaten = [
-        f"{name(p)} at {r:g} {unit}"
-        for r in rates
-        for p in BASELINES
-        if all(d > s for d, s in (compare(at(rows, p, r), at(rows, "lvf", r), k) for k in ("ttft_attainment", "tbt_attainment")))
-    ]
-    low = [at(rows, p, lo) for p in SYSTEMS]
-    spread = 100 * max(max(r[k] for r in low) - min(r[k] for r in low) for k in ("ttft_attainment", "tbt_attainment"))
-    return [
-        (
-            f"at {hi:g} {unit} LVF's TTFT attainment is >= vllm-v1's + 30 points",
-            f"LVF {pct(lvf['ttft_attainment'])} vs vllm-v1 {pct(v1['ttft_attainment'])}: {gap:+.1f} points (spread {gap_spread:.1f})",
-            gap >= 30,
-        ),
-        (
-            f"at {hi:g} {unit} LVF's TBT attainment is within 5 points of the best policy's",
-            f"LVF {pct(lvf['tbt_attainment'])}, best {name(best['policy'])} {pct(best['tbt_attainment'])}: "
-            f"{tbt_gap:.1f} points below (spread {tbt_spread:.1f})",
-            tbt_gap <= 5,
-        ),
-        (
-            "at no rate does a baseline beat LVF on both TTFT and TBT attainment by more than the spread",
-            "none does" if not beaten else "beaten by " + ", ".join(beaten),
-            not beaten,
-        ),
-        (f"at {lo:g} {unit} all policies tie", f"largest difference {spread:.1f} points", spread <= 1.0),
-    ]
-
-
 # ---------------------------------------------------------------- command
 
 
@@ -289,11 +242,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--conversations", type=int, default=CONVERSATIONS, help="ShareGPT conversations per run (default %(default)s)"
     )
-    p.add_argument("--rates", type=sweep._floats, default=list(RATES), help="requests/s (default 4,8,12,16,20)")
+    p.add_argument("--rates", type=sweep._floats, default=list(RATES), help="requests/s (default 2,4,6,8,12)")
     p.add_argument("--seed", type=int, default=0, help="the first seed")
     p.add_argument("--num-seeds", type=int, default=3, help="seeds per run, from --seed (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="the clients' max_tokens cap (default %(default)s)")
-    p.add_argument("--jobs", type=int, default=1, help="processes")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: the CPUs, %(default)s)")
     p.add_argument("--out", type=Path, default=HERE / "REPRODUCTION.md")
     p.add_argument("--results", type=Path, default=HERE / "results")
     p.add_argument(
@@ -311,27 +264,15 @@ def run(args: argparse.Namespace) -> int:
     ctx = Ctx(args)
     out = args.results
     out.mkdir(parents=True, exist_ok=True)
-    hi = max(args.rates)
-    res: dict = {"fig16": fig16(ctx)}
-    res["fig16_systems"] = fig16(ctx, baseline_mode="vllm", policies=SWAPPING)  # the others copy nothing
-    res["fig16_models"] = fig16_models(ctx)
-    res["fig16_conv"] = fig16_conv(ctx)
-    res["fig16_conv_ablation"] = conv_ablation(ctx)
-    res["fig16_no_chunking"] = ctx.run([sweep.Job(r, ctx.setup("lvf", slo_chunking=False)) for r in args.rates])
-    slow_hw, res["paper_factor"] = paper_speed(ctx, res["fig16"])
-    res["fig16_slow"] = fig16(ctx, hw=slow_hw)
-    res["fig16_pressure"] = pressure(ctx)
-    fig1(ctx, max(CONV_RATES), out)
-    res["fig17"] = fig17(ctx)
-    res["fig21"] = fig21(ctx, hi)
-    res["knobs"] = knob_sweeps(ctx, hi)
+    top, conv_top = max(args.rates), max(CONV_RATES)
+    res: dict = {"fig16": fig16(ctx), "fig16_lmsys": fig16(ctx, "lmsys"), "fig16_conv": fig16(ctx, "conversations")}
+    res["ablation"] = ablation(ctx, "sharegpt", top)
+    res["ablation_conv"] = ablation(ctx, "conversations", conv_top)
+    fig1(ctx, conv_top, out)
+    res["fig17"] = fig17(ctx, conv_top)
+    res["knobs"] = knob_sweeps(ctx, CONV_KNOB_RATE)
     res["table1"] = table1(ctx)
-    smallest = min(r["num_hbm_blocks"] for r in res["fig16_pressure"])
-    claims_pressure = claims([r for r in res["fig16_pressure"] if r["num_hbm_blocks"] == smallest], args.rates)
-    figs = write_results(res, out)
-    record = {**figs, "claims": claims(res["fig16"], args.rates), "claims_pressure": claims_pressure}
-    record["claims_conv"] = claims([r for r in res["fig16_conv"] if r["transfer_mode"] == "duplex"], CONV_RATES, "conversations/s")
-    record["paper_factor"] = res["paper_factor"]
+    record = write_results(res, out)
     record["setting"] = setting_record(ctx, time.perf_counter() - t0)
     (out / reproduction.ROWS_FILE).write_text(json.dumps(record, indent=1))
     args.out.write_text(reproduction.render_results(out))
@@ -379,6 +320,12 @@ def setting_record(ctx: Ctx, seconds: float) -> dict:
         "num_dram_blocks": setup.num_dram_blocks,
         "sched_time": setup.sched_time,
         "conversations": conversation_record(ctx.conversations()[ctx.args.seed]),
+        "lmsys": {
+            "mean_prompt_tokens": sum(i.prompt_tokens for i in ctx.lmsys()[ctx.args.seed]) / ctx.args.num_requests,
+            "mean_output_tokens": sum(i.output_tokens for i in ctx.lmsys()[ctx.args.seed]) / ctx.args.num_requests,
+            "spec": asdict(LMSYS),
+        },
+        "knob_rate": CONV_KNOB_RATE,
         "workload": {
             "num_requests": len(items),
             "mean_prompt_tokens": sum(i.prompt_tokens for i in items) / len(items),
@@ -408,16 +355,15 @@ def conversation_record(items: list) -> dict:
 
 def write_results(res: dict, out: Path) -> dict[str, list[dict]]:
     """One CSV per figure and the plots; returns the rows by figure, as the rows file keeps them."""
-    figs = {k: v for k, v in res.items() if k.startswith("fig") or k == "table1"}
+    figs = {k: v for k, v in res.items() if k.startswith(("fig", "ablation")) or k == "table1"}
     figs.update({f"fig_{k}": v for k, v in res["knobs"].items()})
-    for name, rows in figs.items():
-        sweep.write_outputs(rows, None, out / f"{name}.csv", {})
-    plots.plot_attainment(res["fig16"], out, "Qwen2.5-32B on gh200", "fig16")
-    plots.plot_attainment(res["fig16_slow"], out, "gh200 at the paper's step time", "fig16_paper_speed")
+    for key, rows in figs.items():
+        sweep.write_outputs(rows, None, out / f"{key}.csv", {})
+    plots.plot_attainment(res["fig16"], out, "Qwen2.5-32B on gh200 (calibrated), ShareGPT", "fig16")
+    plots.plot_attainment(res["fig16_conv"], out, "Qwen2.5-32B on gh200 (calibrated), conversations", "fig16_conv")
     plots.plot_attainment(res["fig17"], out, "ablation", "fig17")
-    plots.plot_sweep(res["fig21"], "xfer_budget", out / "fig21.png", "B_xfer sweep", by="transfer_mode")
     for k, rows in res["knobs"].items():
-        plots.plot_sweep(rows, k, out / f"fig_{k}.png", f"{k} sweep")
+        plots.plot_sweep(rows, k, out / f"fig_{k}.png", f"{k} sweep (conversations)", by="policy")
     return figs
 
 
