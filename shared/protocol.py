@@ -127,8 +127,10 @@ class TokenOutput(_Data):
     logprobs: list[TokenLogprobs] = []
     # With the first token, when asked: prompt tokens 1.. (the first has no logprob).
     prompt_logprobs: list[TokenLogprobs] = []
-    # With the first token: prompt tokens whose KV came from the prefix cache.
+    # With the first token: prompt tokens whose KV came from the prefix cache, and of those
+    # the ones loaded from its DRAM tier.
     num_cached_tokens: int = 0
+    num_dram_cached_tokens: int = 0
 
 
 class StepOutputs(_Msg, tag="out"):
@@ -169,6 +171,12 @@ class SchedulerStats(_Msg, tag="stats"):
     # Waiting or rotary requests the last step could have run and left out (requests that
     # arrived since are not counted: they have not had their chance yet).
     num_queued: int = 0
+    # The DRAM prefix-cache tier: its size and cached blocks, prompt tokens looked up there
+    # (past the HBM hits) and found and loaded.
+    num_tier_blocks: int = 0
+    num_cached_dram_blocks: int = 0
+    num_tier_queries: int = 0
+    num_tier_hits: int = 0
 
 
 GatewayReply = StepOutputs | RequestError | SchedulerStats
@@ -232,6 +240,7 @@ class WorkerReady(_Msg, tag="ready"):
     block_bytes: int = 0  # bytes of one KV block (all layers, K and V)
     vocab_size: int = 0  # 0: not reported (prompt ids are then not checked)
     worker_id: str = ""  # this worker process (new with every start)
+    copy_gbps: float = 0.0  # DRAM->HBM copy bandwidth measured at start (0: not measured)
 
 
 class StepTimings(_Data):
@@ -326,6 +335,7 @@ class RequestRow(_Data):
     num_dram_blocks: int
     times: Attribution  # so far
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was first admitted
+    num_dram_cached_tokens: int = 0  # of those, loaded from its DRAM tier
 
 
 class QueuesReply(_Msg, tag="admin_queues_reply"):

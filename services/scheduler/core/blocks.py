@@ -86,6 +86,9 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._busy: dict[int, int] = {}
         self._busy_steps: list[tuple[int, list[int]]] = []
+        # With `track_cached`: blocks that became cached, for the DRAM tier to drain (tier.py).
+        self.track_cached = False
+        self.newly_cached: list[int] = []
 
     @property
     def num_free(self) -> int:
@@ -224,6 +227,8 @@ class BlockPool:
                 continue
             if self.hash_of[b] is not None:
                 self._cached[b] = None
+                if self.track_cached:
+                    self.newly_cached.append(b)
                 if busy_step is not None:
                     self._busy[b] = busy_step
                     _insert(self._busy_steps, busy_step, [b])
@@ -269,6 +274,21 @@ class BlockPool:
             for b in ids:
                 if self._busy.get(b) == s:
                     del self._busy[b]
+
+    def trim_cached(self, max_cached: int) -> int:
+        """Forget the least recently freed cached blocks (they become plain free blocks) until at
+        most `max_cached` are left, none an in-flight step touches; returns how many."""
+        out: list[int] = []
+        for b in self._cached:
+            if len(self._cached) - len(out) <= max_cached:
+                break
+            if b not in self._busy:
+                out.append(b)
+        for b in out:
+            del self._cached[b]
+            self.unhash(b)
+        self._free.extend(out)
+        return len(out)
 
     def free_ids(self) -> list[int]:
         """Blocks no request holds: free, recent, cached and deferred."""

@@ -6,6 +6,8 @@ from dataclasses import Field, dataclass, field, fields, replace
 
 from shared.config import DEFAULT_BLOCK_SIZE, default_mirror_watermark, default_slo_chunking
 
+DEFAULT_XFER_BUDGET = 2400  # blocks: the paper's B_xfer on GH200
+XFER_SHARE = 0.5  # of the TBT SLO a step's copies may take, where B_xfer comes from the measured bandwidth
 POLICIES = ("lvf", "lvf-paper", "fcfs", "sf", "wf", "trtllm", "lightllm", "ltr", "edf")
 LVF_POLICIES = ("lvf", "lvf-paper")  # lvf-paper: LVF as the paper defines it, our guards off
 SWAPPING = ("lvf", "lvf-paper", "sf", "wf")
@@ -51,7 +53,11 @@ class SchedulerConfig:
     alpha: float = _flag(3.0, "VLT weight of rotary requests (default %(default)s)")
     beta_f: float = _flag(0.5, "TTFT slack share before VLT grows (default %(default)s)")
     beta_b: float = _flag(0.0, "TBT slack share before VLT grows (default %(default)s)")
-    xfer_budget: int = _flag(2400, "B_xfer: KV blocks that may be rotated per step (default %(default)s)")
+    xfer_budget: int = _flag(
+        DEFAULT_XFER_BUDGET,
+        "B_xfer: KV blocks that may be copied per step (default: what the worker's measured copy "
+        "bandwidth moves in half the TBT SLO; %(default)s, the paper's, without a measurement)",
+    )
     max_batched_tokens: int = _flag(512, "chunked-prefill token budget per step, decodes first (default %(default)s)")
     slo_chunking: bool | None = _flag(
         None,
@@ -93,6 +99,24 @@ class SchedulerConfig:
         "share the KV blocks of prompt prefixes between requests and keep freed ones cached until "
         "their space is needed (default %(default)s)",
     )
+    kv_offloading_size: float = _flag(
+        0.0,
+        "GiB of the DRAM pool that keep KV blocks which left HBM (finished requests, evicted cached "
+        "blocks) for later prefix hits, least recently used first out; rotated requests always win the "
+        "space (vLLM's flag; 0 = off, default %(default)s)",
+    )
+    tier_loads: str | None = _flag(
+        None,
+        "how prefix blocks found in DRAM come back: slo: per request and step, load them, recompute them "
+        "or load the head and recompute the tail, by the copy bandwidth, the prefill time and the TTFT "
+        "slack; all: load every hit (vLLM's offloading connector) (default: slo with lvf, all otherwise)",
+        choices=("slo", "all"),
+        type=str,
+    )
+    # The worker's, not flags: one KV block in bytes and the DRAM->HBM copy bandwidth it measured
+    # at start (the service takes both from WorkerReady; the simulator from its cost model).
+    block_bytes: int = 0
+    copy_gbps: float = 0.0
     # lvf's guards against a carousel of rotations (lvf.py): a paused request that has emitted
     # tokens displaces only requests that have run `min_residency_s`, and one it cannot place
     # does not hold back the requests behind it (`rotary_yields`); admissions leave
@@ -145,6 +169,10 @@ class SchedulerConfig:
             raise ValueError("admit_watermark must be in [0, 1)")
         if self.mirror_watermark is not None and not 0 <= self.mirror_watermark <= 1:
             raise ValueError("mirror_watermark must be in [0, 1]")
+        if self.kv_offloading_size < 0 or self.copy_gbps < 0 or self.block_bytes < 0:
+            raise ValueError("kv_offloading_size, copy_gbps and block_bytes must be >= 0")
+        if self.tier_loads not in (None, "slo", "all"):
+            raise ValueError(f"unknown tier_loads {self.tier_loads!r} (slo or all)")
         if self.max_waiting < 0 or self.max_waiting_tokens < 0:
             raise ValueError("max_waiting and max_waiting_tokens must be >= 0")
 
@@ -187,6 +215,22 @@ class SchedulerConfig:
             if self.slo_chunking is None
             else self.slo_chunking,
         )
+
+    def for_worker(self, block_bytes: int, copy_gbps: float) -> SchedulerConfig:
+        """This config with the worker's block bytes and measured copy bandwidth. B_xfer left at its
+        default (the paper's figure for its machine) becomes what this machine's link copies in
+        XFER_SHARE of the TBT SLO (the paper's 2400 blocks are about that on GH200, Qwen2.5-32B)."""
+        budget = self.xfer_budget
+        if copy_gbps > 0 and block_bytes > 0 and budget == DEFAULT_XFER_BUDGET:
+            budget = max(1, int(copy_gbps * 1e9 * XFER_SHARE * self.tbt_slo / block_bytes))
+        return replace(self, block_bytes=block_bytes, copy_gbps=copy_gbps, xfer_budget=budget)
+
+    @property
+    def tier_mode(self) -> str | None:
+        """How DRAM prefix hits are brought back ("slo" or "all"); None without the DRAM tier."""
+        if self.kv_offloading_size <= 0 or not self.enable_prefix_caching:
+            return None
+        return self.tier_loads or ("slo" if self.policy == "lvf" else "all")
 
     @property
     def caps_prefill(self) -> bool:

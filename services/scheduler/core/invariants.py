@@ -104,4 +104,6 @@ def _check_step(core: CoreState) -> None:
             f"{step.num_blocks_wanted} wanted)"
         )
     if not core.cfg.swaps:
-        assert not (step.swap_in or step.swap_out or step.eager), "fcfs copied blocks"
+        assert not step.swap_out, f"{core.cfg.policy} swapped a request out"
+        if not core.memory.num_tier_blocks:  # the DRAM tier's loads and offloads are its only copies
+            assert not (step.swap_in or step.eager), f"{core.cfg.policy} copied blocks"

@@ -3,7 +3,7 @@ recompute), swap-in and eager mirroring. Reuse of freed blocks follows the rule 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .blocks import BlockPool
 from .prefix import extend_hashes, root_hash
@@ -14,7 +14,7 @@ from .step import Step
 class Memory:
     def __init__(
         self, num_hbm_blocks: int, num_dram_blocks: int, block_size: int, mirrors: bool,
-        caching: bool = False, salt: str = "",
+        caching: bool = False, salt: str = "", num_tier_blocks: int = 0,
     ):
         self.hbm = BlockPool(num_hbm_blocks, "hbm")
         self.dram = BlockPool(num_dram_blocks, "dram")
@@ -35,6 +35,18 @@ class Memory:
         # cached ones, which then cost a free block more than that count said.
         self._num_revived: dict[str, int] = {}
         self._reuse_memo: tuple[tuple, dict[int, int]] = ((), {})  # hbm_reuse's last answer, by its inputs
+        # The DRAM tier (tier.py): cached DRAM blocks kept at most (0: off), what a waiting
+        # request's prefix found there loads this step (decided once per request and step by
+        # `_planner`), and its counters (tokens).
+        self.num_tier_blocks = num_tier_blocks if caching else 0
+        self.hbm.track_cached = self.num_tier_blocks > 0
+        self._step: Step | None = None
+        self._planner: Callable[[Request, list[tuple[int, bool]]], int | None] = lambda req, chain: 0
+        self._loads: dict[str, int | None] = {}
+        self.num_tier_queries = 0  # prompt tokens looked up in DRAM (past the HBM hits)
+        self.num_tier_hits = 0  # ... found there and loaded
+        self.num_tier_loaded = 0  # blocks loaded from DRAM for prefix hits
+        self.num_offloaded = 0  # blocks copied to DRAM as they left HBM
 
     # ------------------------------------------------------------ growth
 
@@ -54,12 +66,12 @@ class Memory:
             num_new = req.num_schedulable() if reserve_full else num_new_tokens
             self._num_revived[req.request_id] = self._num_revived_of(reused)
             return self._blocks_with_hits(reused, req.num_computed_tokens + num_new)
-        hits = self.match_prefix(req)
+        hits = self.match_tiers(req)
         if not hits:
             return self.blocks_needed(req, req.num_schedulable() if reserve_full else num_new_tokens)
         num_hit = len(hits) * self.block_size
         num_tokens = req.num_known if reserve_full else num_hit + min(num_new_tokens, req.num_known - num_hit)
-        return self._blocks_with_hits(hits, num_tokens)
+        return self._blocks_with_hits([b for b, in_dram in hits if not in_dram], num_tokens)
 
     def _blocks_with_hits(self, hits: list[int], num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size) - len(hits) + self._num_revived_of(hits)
@@ -71,47 +83,112 @@ class Memory:
     # ------------------------------------------------------------ prefix cache
 
     def match_prefix(self, req: Request) -> list[int]:
-        """HBM blocks holding the longest cached prefix of a waiting request's tokens, in
-        whole blocks and short of its last token (that one is computed, for its logits)."""
+        """The HBM blocks of a waiting request's cached prefix (`match_tiers`): shared, not copied."""
+        return [b for b, in_dram in self.match_tiers(req) if not in_dram]
+
+    def match_tiers(self, req: Request) -> list[tuple[int, bool]]:
+        """Blocks holding the longest cached prefix of a waiting request's tokens, in whole
+        blocks and short of its last token (that one is computed, for its logits), each as
+        (block, in DRAM): by the hash chain in HBM and, with the DRAM tier, then in DRAM, up
+        to the DRAM blocks it loads this step (`tier_loads`: the rest is recomputed)."""
+        limit = (self.tier_loads(req) or 0) if self.num_tier_blocks else 0
+        return self._chain(req, limit)
+
+    def _chain(self, req: Request, max_dram: float) -> list[tuple[int, bool]]:
         if not self.caching or req.status is not Status.WAITING:
             return []
         num_max = (req.num_tokens - 1) // self.block_size
         if num_max <= 0:
             return []
         self._hash(req, num_max)
-        hits: list[int] = []
+        hits: list[tuple[int, bool]] = []
+        num_dram, writing = 0, None
         for h in req.block_hashes[:num_max]:
             b = self.hbm.lookup(h)
-            if b is None:
+            if b is not None:
+                hits.append((b, False))
+                continue
+            if num_dram >= max_dram:
                 break
-            hits.append(b)
+            d = self.dram.lookup(h)
+            if writing is None:  # DRAM blocks this step copies into: not readable in it
+                step = self._step
+                writing = {x for _, x in step.swap_out} | {x for _, x in step.eager} if step else set()
+            if d is None or d in writing:
+                break
+            hits.append((d, True))
+            num_dram += 1
         return hits
 
-    def attach_prefix(self, req: Request, num_new_tokens: int) -> int:
-        """Start a waiting request at its cached prefix (its first HBM blocks, shared);
+    def begin_step(self, step: Step, planner: Callable[[Request, list[tuple[int, bool]]], int | None]) -> None:
+        """A new step is being built; `planner(req, chain)` decides how many of the DRAM blocks
+        in a waiting request's chain it loads (None: none, it waits for a later step)."""
+        self._step = step
+        self._planner = planner
+        self._loads.clear()
+
+    def tier_loads(self, req: Request) -> int | None:
+        """DRAM blocks of `req`'s cached prefix this step loads (0 without the tier); None: it
+        waits for a later step, whose copy budget loads them all within its TTFT slack."""
+        rid = req.request_id
+        if rid not in self._loads:
+            chain = self._chain(req, float("inf")) if self.num_tier_blocks else []
+            self._loads[rid] = self._planner(req, chain) if any(d for _, d in chain) else 0
+        return self._loads[rid]
+
+    def attach_prefix(self, req: Request, num_new_tokens: int, step: Step) -> int:
+        """Start a waiting request at its cached prefix: its HBM blocks shared, its DRAM blocks
+        loaded into clean HBM blocks by this step's swap-ins (the DRAM copies stay cached);
         returns the tokens it then computes of the `num_new_tokens` the policy gave it.
         Room was checked by `blocks_to_admit`; hits are dropped from the tail if not."""
         if not self.caching:
             return num_new_tokens
-        hits = self.match_prefix(req)
+        hits = self.match_tiers(req)
         num_hit = 0
         while hits:
             num_hit = len(hits) * self.block_size
             num_tokens = num_hit + min(num_new_tokens, req.num_known - num_hit)
-            if self.hbm.can_allocate(self._blocks_with_hits(hits, num_tokens)):
+            shared = [b for b, in_dram in hits if not in_dram]
+            if self.hbm.can_allocate(self._blocks_with_hits(shared, num_tokens)) and self._can_load(hits, step):
                 break
             hits.pop()
             num_hit = 0
-        for b in hits:
-            self.hbm.revive(b)
-        req.hbm_blocks = hits
+        for b, in_dram in hits:
+            (self.dram if in_dram else self.hbm).revive(b)  # before allocating: allocation may evict cached blocks
+        loads = [d for d, in_dram in hits if in_dram]
+        dst = iter(self.hbm.allocate_clean(len(loads)))
+        blocks = [next(dst) if in_dram else b for b, in_dram in hits]
+        for i, (b, in_dram) in enumerate(hits):
+            if in_dram:
+                step.swap_in.append((b, blocks[i]))
+                self.hbm.register(blocks[i], req.block_hashes[i])  # compute reads it after the swap-ins
+        self.dram.defer(loads, step.step_id)
+        step.moves_left -= len(loads)
+        if loads:
+            req.swap_in_step = step.step_id
+        num_hbm_hit = (len(hits) - len(loads)) * self.block_size
+        req.hbm_blocks = blocks
         req.num_hashed_blocks = len(hits)
         req.num_computed_tokens = num_hit
         self.num_prefix_queries += req.num_tokens
-        self.num_prefix_hits += num_hit
+        self.num_prefix_hits += num_hbm_hit
+        if self.num_tier_blocks:
+            self.num_tier_queries += req.num_tokens - num_hbm_hit
+            self.num_tier_hits += len(loads) * self.block_size
+            self.num_tier_loaded += len(loads)
         if not req.has_emitted:
             req.num_cached_tokens = num_hit
+            req.num_dram_cached_tokens = len(loads) * self.block_size
         return min(num_new_tokens, req.num_known - num_hit)
+
+    def _can_load(self, hits: list[tuple[int, bool]], step: Step) -> bool:
+        """The DRAM blocks among `hits` fit in the step's copy budget and in clean HBM blocks
+        (those the HBM hits take back aside)."""
+        num_load = sum(1 for _, in_dram in hits if in_dram)
+        if not num_load:
+            return True
+        num_clean = self.hbm.num_clean - sum(1 for b, in_dram in hits if not in_dram and self.hbm.is_clean(b))
+        return num_load <= min(step.moves_left, num_clean)
 
     def register(self, req: Request) -> None:
         """Name `req`'s full HBM blocks of known tokens in the cache. Call it only for KV
@@ -167,7 +244,10 @@ class Memory:
         return shared
 
     def num_swap_in_copies(self, req: Request) -> int:
-        """Blocks a rotary request's swap-in copies (those not found in HBM): its share of B_xfer."""
+        """Blocks a rotary request's swap-in copies (those not found in HBM), or a waiting one's
+        prefix loads from DRAM: its share of B_xfer."""
+        if req.status is Status.WAITING:
+            return (self.tier_loads(req) or 0) if self.num_tier_blocks else 0
         return len(req.dram_blocks) - len(self.hbm_reuse(req))
 
     def num_swap_out_copies(self, req: Request) -> int:

@@ -64,6 +64,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_hashed_blocks: int = 0
     num_cached_tokens: int = 0
+    num_dram_cached_tokens: int = 0  # of those, loaded from the DRAM tier (tier.py)
     demand_blocks: int = 0  # blocks_for(num_known), summed by the core
     num_waiting_tokens: int = 0  # num_tokens while in the core's waiting queue, summed by the core
     finish_reason: str | None = None

@@ -6,6 +6,7 @@ drive the same code.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from .queues import RequestHeap
 from .request import Request, Status, blocks_for
 from .step import Step
 from .steptime import SLO_SHARE, StepTimeModel
+from .tier import Offloader, num_tier_blocks, plan_loads
 from .vlt import lag_key
 
 
@@ -52,8 +54,10 @@ class SchedulerCore:
         self.predictor = predictor
         self.max_model_len = max_model_len
         self.memory = Memory(
-            num_hbm_blocks, num_dram_blocks, cfg.block_size, cfg.mirrors, cfg.enable_prefix_caching, model_name
+            num_hbm_blocks, num_dram_blocks, cfg.block_size, cfg.mirrors, cfg.enable_prefix_caching, model_name,
+            num_tier_blocks(cfg, num_dram_blocks),
         )
+        self.offload = Offloader(self.memory)  # the DRAM tier's copies (tier.py)
         self.requests: dict[str, Request] = {}  # live requests
         self.running: dict[str, Request] = {}
         # Paused requests, twice: by arrival (FCFS family) and by VLT lag key (LVF).
@@ -159,6 +163,7 @@ class SchedulerCore:
             out = TokenOutput(request_id, [token], reason)
             if len(req.output_token_ids) == 1:
                 out.num_cached_tokens = req.num_cached_tokens
+                out.num_dram_cached_tokens = req.num_dram_cached_tokens
             if request_id in result.logprobs:  # only requests that asked have an entry
                 out.logprobs = [result.logprobs[request_id]]
             if request_id in result.prompt_logprobs:
@@ -201,6 +206,8 @@ class SchedulerCore:
         )
         for req in self.running.values():
             memory.register(req)  # blocks filled by earlier steps become hits for this one
+        if memory.num_tier_blocks:
+            memory.begin_step(step, functools.partial(plan_loads, cfg, memory, self.step_time.fit(), step))
         if cfg.is_lvf and not step.fits_all:
             schedule_lvf(self, step)
         elif cfg.policy in BASELINE_STEPS:
@@ -209,6 +216,8 @@ class SchedulerCore:
             schedule_fcfs(self, step)
         if cfg.mirrors and self.num_demand_blocks > (cfg.mirror_watermark or 0.0) * memory.hbm.num_blocks:
             memory.mirror(self.running.values(), step)
+        if memory.num_tier_blocks:
+            self.offload(step)
         for req in step.scheduled:
             self._track_demand(req)
         self.last_step = step
@@ -272,7 +281,7 @@ class SchedulerCore:
             self.num_rotations_in += 1
             step.num_swapped_in_reqs += 1
         else:
-            num_new_tokens = self.memory.attach_prefix(req, num_new_tokens)
+            num_new_tokens = self.memory.attach_prefix(req, num_new_tokens, step)
         req.status = Status.RUNNING
         req.run_start = step.now
         req.num_outputs_at_run_start = len(req.output_token_ids)
@@ -354,6 +363,12 @@ class SchedulerCore:
             "num_blocks_mirrored": m.num_mirrored,
             "num_prefix_queries": m.num_prefix_queries,
             "num_prefix_hits": m.num_prefix_hits,
+            "num_tier_blocks": m.num_tier_blocks,
+            "num_cached_dram_blocks": m.dram.num_cached if m.num_tier_blocks else 0,
+            "num_tier_queries": m.num_tier_queries,
+            "num_tier_hits": m.num_tier_hits,
+            "num_tier_blocks_loaded": m.num_tier_loaded,
+            "num_blocks_offloaded": m.num_offloaded,
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
             "num_steps": self.step_id,
