@@ -169,7 +169,7 @@ def test_many_conversations_on_a_tiny_pool_all_finish_intact(policy):
     """Rotation, recompute, offloads and loads together on a pool that holds about two
     requests: second turns of ten conversations, invariants after every step, KV by content."""
     core = make(policy, num_hbm=24, num_dram=96, tier=48, max_batched_tokens=16, tbt_slo=0.02)
-    d = Driver(core, dt=0.01, depth=2)
+    d = Driver(core, dt=0.01)
     firsts = {i: prompt(100 * (i + 1), 13 + i) for i in range(10)}
     for i, p in firsts.items():
         add(core, f"a{i}", p, 8, i * 0.005)
