@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from services.scheduler.core import SchedulerConfig, SchedulerCore
+from services.scheduler.core.step import sampling
 from shared.protocol import AddRequest, SamplingParams, StepResult
 
 STEP_S = 0.05  # virtual time per step
@@ -64,9 +65,7 @@ def measure(num_requests: int, args: argparse.Namespace) -> dict:
             times.append(elapsed)
             cpu_times.append(cpu)
             moved.append(len(plan.swap_in) + len(plan.swap_out) + len(plan.eager) if plan else 0)
-        ids = [] if plan is None else [
-            s.request_id for s in plan.scheduled if s.num_computed_tokens + s.num_new_tokens == known[s.request_id]
-        ]
+        ids = [] if plan is None else sampling(plan, known.__getitem__)
         now += STEP_S
         for out in core.update(StepResult(plan.step_id if plan else -1, ids, [7] * len(ids)), now):
             known[out.request_id] += 1

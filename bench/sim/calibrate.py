@@ -201,6 +201,7 @@ def measure_sched_ms(num_requests: int = 64, num_steps: int = 200) -> float:
     """Median per-step cost of the scheduler's side of a step on this machine: `schedule`,
     `update` and the msgpack round trips of the Plan and the StepResult."""
     from services.scheduler.core import SchedulerConfig, SchedulerCore
+    from services.scheduler.core.step import sampling
     from shared import protocol as p
 
     core = SchedulerCore(SchedulerConfig(), 4096, 4096, 8192)
@@ -213,7 +214,7 @@ def measure_sched_ms(num_requests: int = 64, num_steps: int = 200) -> float:
     for _ in range(num_steps):
         t0 = time.perf_counter()
         plan = p.worker_msg_decoder.decode(p.encode(core.schedule(now)))
-        ids = [s.request_id for s in plan.scheduled if s.num_computed_tokens + s.num_new_tokens == known[s.request_id]]
+        ids = sampling(plan, known.__getitem__)
         result = p.worker_reply_decoder.decode(p.encode(p.StepResult(plan.step_id, ids, [1] * len(ids))))
         now += 0.05
         for out in core.update(result, now):

@@ -4,7 +4,11 @@ Each HBM/DRAM block holds (logical block index, the token ids written into it), 
 tests see whether a request's KV survives swaps, mirrors and recomputes intact, whether a
 plan reuses a block it is still copying, and whether a prefix-cache hit gives a request
 blocks that hold exactly its own tokens. Token ids come from a seeded RNG (some are stop
-tokens), like sampling would.
+tokens), like sampling would; the requests that sample are the worker's own reading of the
+plan (the end of a request's tokens reached), checked against the core's rule (`sampling`).
+
+`Driver` runs a core against it through the real step driver (services/scheduler/driver.py,
+the loop of the service, the simulator and the replay), one virtual step of `dt` at a time.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from services.scheduler import driver
 from services.scheduler.core import SchedulerConfig, SchedulerCore
+from services.scheduler.core.step import Step, sampling
 from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, TokenOutput
 
 STOP = 2
@@ -44,6 +50,7 @@ class SymbolicWorker:
             assert new.request_id not in self.reqs, f"{new.request_id} sent twice"
             self.reqs[new.request_id] = WorkerRequest(list(new.prompt_token_ids) + list(new.output_token_ids))
         ids, toks = [], []
+        expected = sampling(plan, lambda rid: len(self.reqs[rid].tokens))
         for s in plan.scheduled:
             assert s.request_id not in plan.drop, f"{s.request_id} scheduled and dropped"
             wr = self.reqs[s.request_id]
@@ -66,6 +73,7 @@ class SymbolicWorker:
                 wr.tokens.append(tok)
                 ids.append(s.request_id)
                 toks.append(tok)
+        assert ids == expected, f"step {plan.step_id}: the worker sampled {ids}, the core's rule says {expected}"
         return StepResult(step_id=plan.step_id, request_ids=ids, token_ids=toks)
 
     def _copy(self, plan: Plan) -> None:
@@ -107,31 +115,47 @@ def add(core: SchedulerCore, rid: str, prompt_len: int, max_tokens: int, now: fl
     core.add_request(AddRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, **params)), now)
 
 
-class Driver:
-    """schedule -> execute -> update, with invariants after every step."""
+@dataclass
+class Sent:
+    """A plan at the symbolic worker, which executed it when it was sent."""
 
-    def __init__(self, core: SchedulerCore, seed: int = 0, p_stop: float = 0.0, dt: float = 0.01):
+    step_id: int
+    plan: Plan
+    result: StepResult
+
+
+class Driver:
+    """The real step driver around a core and a `SymbolicWorker`, on a virtual clock: each
+    `step()` plans (up to `depth` plans in flight), applies the oldest plan's result `dt`
+    later, and checks the invariants after every schedule() and every result."""
+
+    def __init__(self, core: SchedulerCore, seed: int = 0, p_stop: float = 0.0, dt: float = 0.01, depth: int = 1):
         self.core = core
         m = core.memory
         self.worker = SymbolicWorker(m.hbm.num_blocks, m.dram.num_blocks, core.cfg.block_size, seed, p_stop)
+        self.driver: driver.Driver[Sent] = driver.Driver(core, self._send, depth)
         self.now = 0.0
         self.dt = dt
         self.outputs: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.plans: list[Plan] = []
 
-    def step(self) -> Plan | None:
-        plan = self.core.schedule(self.now)
+    def _send(self, plan: Plan, step: Step, schedule_s: float) -> Sent:
         self.core.check_invariants()
-        if plan is None:
-            self.now += self.dt
-            return None
         self.plans.append(plan)
-        result = self.worker.execute(plan)
+        return Sent(plan.step_id, plan, self.worker.execute(plan))
+
+    def step(self) -> Plan | None:
+        """One step of the clock: the plan whose result it applied, None when none was in flight."""
+        if self.driver.step(self.now):
+            self.core.check_invariants()  # the schedule() call that built no plan
         self.now += self.dt
-        self.record(self.core.update(result, self.now))
+        if not self.driver.in_flight:
+            return None
+        sent, outs = self.driver.result(self.driver.in_flight[0].result, self.now)
+        self.record(outs)
         self.core.check_invariants()
-        return plan
+        return sent.plan
 
     def record(self, outs: list[TokenOutput]) -> None:
         for o in outs:

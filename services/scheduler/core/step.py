@@ -3,9 +3,32 @@ requests it admitted and preempted (what the service's observer reports)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shared.protocol import Plan
+
 from .request import Request
+
+
+def samples(num_computed_tokens: int, num_new_tokens: int, num_known: int) -> bool:
+    """Whether a request samples a token in a step that computes `num_new_tokens` of its
+    tokens from position `num_computed_tokens`: when they reach the end of its `num_known`
+    tokens (prompt + every token sampled before, those planned but not back yet included).
+    A prefill chunk short of the end samples nothing. The one place the rule is written: the
+    core counts a pending token by it, and the simulator's worker, calibration and the
+    scheduling micro-benchmark pick the requests that sample by it."""
+    return num_computed_tokens + num_new_tokens == num_known
+
+
+def sampling(plan: Plan, num_known: Callable[[str], int]) -> list[str]:
+    """The ids of the plan's scheduled requests that sample, in plan order; `num_known(id)`
+    is the request's known tokens as the plan was built."""
+    return [
+        s.request_id
+        for s in plan.scheduled
+        if samples(s.num_computed_tokens, s.num_new_tokens, num_known(s.request_id))
+    ]
 
 
 @dataclass
@@ -42,9 +65,9 @@ class Step:
         """Advance `req` by `num_new_tokens` (its blocks must already be allocated)."""
         req.step_new_tokens = num_new_tokens
         req.scheduled_step = self.step_id
+        if samples(req.num_computed_tokens, num_new_tokens, req.num_known):
+            req.num_pending += 1  # its token's position is known, its id when the result is back
         req.num_computed_tokens += num_new_tokens
-        if req.num_computed_tokens == req.num_known:
-            req.num_pending += 1  # reached the end of its known tokens: it samples
         self.tokens_left -= num_new_tokens
         if num_new_tokens > 1:
             self.prefill_left -= num_new_tokens
