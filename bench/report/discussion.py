@@ -149,14 +149,20 @@ def pressure_arithmetic(st: dict, rows: list[dict], lmsys: list[dict]) -> list[s
                 f"| {wl} | {r['rate']:g} | {r['throughput_tok_s']:.0f} | {r['compute_ms_mean']:.1f} | {n:.0f} | "
                 f"{toks / 1000:.1f} k | {100 * toks / pool:.0f}% | {r['num_preemptions']:.0f} |"
             )
+    pressed = sorted({(r["rate"], name(r["policy"])) for r in [*rows, *lmsys] if r["num_preemptions"] > 0})
+    per_req = st["workload"]["mean_prompt_tokens"] + st["workload"]["mean_output_tokens"] / 2
     L += [
         "",
         "Past the rate where the GPU's compute saturates, arrivals queue without KV (a waiting request holds no "
         "block), so the batch, and with it the KV in flight, stops growing: the pool would fill only with "
-        f"~{pool / (st['workload']['mean_prompt_tokens'] + st['workload']['mean_output_tokens'] / 2):.0f} ShareGPT requests "
-        "decoding at once, several times what the calibrated GPU's step carries. On the paper's 144 GB no such point "
-        "exists for single turns in our simulator; the conversations (each turn's prompt the whole history) are where "
-        "the KV-cache fills, and carry the claims below.",
+        f"~{pool / per_req:.0f} ShareGPT requests decoding at once. "
+        + (
+            "No policy preempts at any swept rate of either workload: on the paper's 144 GB no such point exists for "
+            "single turns in our simulator, and Fig. 16 on them shows the policies' chunking (TBT), not memory "
+            "pressure. The conversations (each turn's prompt the whole history) are where the KV-cache fills."
+            if not pressed
+            else "Preemptions occur at " + ", ".join(f"{p} {r:g} req/s" for r, p in pressed) + "."
+        ),
         "",
     ]
     return L

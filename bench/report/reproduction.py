@@ -278,6 +278,7 @@ def render_rest(res: dict) -> list[str]:
     ]
     for k in ("alpha", "beta_f", "beta_b", "xfer_budget"):
         rows = res.get(f"fig_{k}", [])
+        shown = False
         for p in LVFS:
             rs = [r for r in rows if r["policy"] == p]
             if not rs:
@@ -287,8 +288,9 @@ def render_rest(res: dict) -> list[str]:
                 L += [f"**{k}, {p}**: flat — from {k} {lo:g} to {hi:g} neither attainment moves beyond the spread "
                       "(not a result; table in `bench/results/fig_" + k + ".csv`).", ""]  # fmt: skip
             else:
+                shown = True
                 L += [f"**{k}, {p}**", "", *detail_table(rs, k, lambda r, k=k: f"{k}={r[k]:g}", spread=True), ""]
-        L += [f"![{k}](results/fig_{k}.png)", ""]
+        L += [f"![{k}](results/fig_{k}.png)", ""] if shown else []
     t1 = res["table1"]
     L += [
         "## Table 1 — moving 16 GB on gh200 (8 GB each way, Qwen2.5-32B blocks)",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -41,7 +42,7 @@ LVFS = ("lvf-paper", "lvf")  # the paper's LVF (no guard of ours) and ours (our 
 # ShareGPT conversations turn by turn, each turn's prompt the whole history (their real lengths, up
 # to a 32k context), arriving at these rates (conversations/s): on the paper's 144 GB the KV-cache
 # fills before the GPU's compute does, where ShareGPT's single first turns never fill it.
-CONVERSATIONS, CONV_RATES = 300, (2, 4, 6, 8)
+CONVERSATIONS, CONV_RATES = 200, (2, 4, 6, 8)
 CHAT = ChatSpec(multi_turn=True)
 # LMSYS-Chat-1M's length mix as a synthetic workload: its published means (Zheng et al., 2023,
 # arXiv 2309.11998, Table 1: 69.5 prompt and 214.5 response tokens per turn); lognormal lengths
@@ -238,7 +239,7 @@ def table1(ctx: Ctx) -> list[dict]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=1000, help="ShareGPT requests per run (default %(default)s)")
+    p.add_argument("--num-requests", type=int, default=500, help="ShareGPT requests per run (default %(default)s)")
     p.add_argument(
         "--conversations", type=int, default=CONVERSATIONS, help="ShareGPT conversations per run (default %(default)s)"
     )
@@ -280,6 +281,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished workers (user + system)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def setting_record(ctx: Ctx, seconds: float) -> dict:
     """What the reproduction ran, as REPRODUCTION.md's setting paragraph tells it (the rows
     file keeps it, so the document is rendered from that file alone)."""
@@ -287,6 +294,8 @@ def setting_record(ctx: Ctx, seconds: float) -> dict:
     long = sweep.load_items("sharegpt-long", len(items), ctx.args.seed)
     return {
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds(),
+        "jobs": ctx.args.jobs,
         "num_runs": ctx.num_runs,
         "rates": list(ctx.args.rates),
         "seed": ctx.args.seed,
