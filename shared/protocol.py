@@ -171,6 +171,10 @@ class SchedulerStats(_Msg, tag="stats"):
     # Waiting or rotary requests the last step could have run and left out (requests that
     # arrived since are not counted: they have not had their chance yet).
     num_queued: int = 0
+    # What the gateway's routing score needs of the scheduler's setup: requests per step at
+    # most (its --max-num-seqs) and tokens per KV block (its worker's; 0 until one is ready).
+    max_num_seqs: int = 0
+    block_size: int = 0
     # The DRAM prefix-cache tier: its size and cached blocks, prompt tokens looked up there
     # (past the HBM hits) and found and loaded.
     num_tier_blocks: int = 0

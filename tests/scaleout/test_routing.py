@@ -28,6 +28,7 @@ def stats(num_hbm_blocks: int, num_free: int | None = None, **counts) -> Schedul
         num_running=counts.get("num_running", 0), num_rotary=counts.get("num_rotary", 0),
         num_hbm_blocks=num_hbm_blocks, num_free_hbm_blocks=num_hbm_blocks if num_free is None else num_free,
         num_dram_blocks=100, num_free_dram_blocks=100, worker_ready=counts.get("worker_ready", True),
+        max_num_seqs=64, block_size=16,
         # Unless a test says otherwise, its waiting and rotary requests were left out by a step.
         num_queued=counts.get("num_queued", counts.get("num_waiting", 0) + counts.get("num_rotary", 0)),
     )
