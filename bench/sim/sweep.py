@@ -215,7 +215,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--min-residency", type=_floats, default=[d.min_residency_s], help="lvf: min_residency_s, seconds (sweep)"
     )
     p.add_argument(
-        "--admit-watermark", type=_floats, default=[d.admit_watermark], help="lvf: admit_watermark, HBM share (sweep)"
+        "--admit-watermark",
+        type=_floats,
+        default=[None],
+        help="admit_watermark, HBM share, any policy (sweep; default: the policy's, 0.25 for lvf, 0 for the others)",
     )
     p.add_argument("--rotary-yields", action=argparse.BooleanOptionalAction, default=d.rotary_yields, help="lvf")
     p.add_argument(
