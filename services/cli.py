@@ -33,6 +33,7 @@ BENCHMARKS = {
     "compare": ("bench.live.compare", "the same workloads against several servers in turn (ours, vLLM...), side by side"),
     "policies": ("bench.live.policies", "lvf vs fcfs vs sf vs wf on the live server under overload"),
     "soak": ("bench.live.soak", "overload soak with disconnects: nothing lost, no leaked blocks, flat RSS"),
+    "chaos": ("bench.live.chaos", "load past capacity while services are killed, frozen, failed and cut off"),
     "sim": ("bench.sim.sweep", "discrete-event simulator: the scheduler core with a cost-model worker"),
     "calibrate": ("bench.sim.calibrate", "measure this machine's worker and write the `cpu` profile"),
     "simlive": ("bench.sim.simlive", "the simulator vs the live server on one ShareGPT trace, calibrated in the same run"),

@@ -7,8 +7,11 @@ them on the new one; the gateway holds a lost scheduler's requests and resubmits
 the new one (the worker starts afresh with every scheduler it connects to); a lost
 gateway's clients are gone with their connections, and the scheduler aborts what they
 left running once the gateway stays silent. A worker the scheduler has declared lost but
-that still runs (hung) is killed after HUNG_KILL_S and restarted the same way. A child
-that keeps dying is reported and the rest are shut down rather than left hanging.
+that still runs (hung) is killed after HUNG_KILL_S and restarted the same way; a worker that
+was only frozen and runs again before then is reset by the scheduler instead. While the
+scheduler or the gateway is itself stopped (SIGSTOP), the worker's readiness says nothing
+about the worker and the watch waits. A child that keeps dying is reported and the rest are
+shut down rather than left hanging.
 """
 
 from __future__ import annotations
@@ -185,6 +188,8 @@ def serve(args: argparse.Namespace) -> int:
                 if not ready and health is not None and health[0]:
                     ready = True
                     log.info("ready", url=url)
+                if any(is_stopped(children[n].pid) for n in ("scheduler", "gateway")):
+                    watch.reset()  # the worker is not the one that stopped answering
                 watch.observe(health[1] if health else None, now)
                 if watch.hung(now):
                     log.error("worker hung (the scheduler lost it); killing it", pid=children["worker"].pid)
@@ -214,6 +219,15 @@ def _health(url: str) -> tuple[bool, set[str]] | None:
         return None
     schedulers = body.get("schedulers") or []
     return status == 200, {s.get("worker_id") for s in schedulers if s.get("worker_ready")}
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether the process is stopped by a signal (SIGSTOP, a debugger): state T or t."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _stop_all(children: dict[str, subprocess.Popen], log) -> None:

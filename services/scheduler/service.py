@@ -196,8 +196,9 @@ class SchedulerService:
             case p.AbortRequest(request_id=rid):
                 self.abort(rid)
 
-    def abort(self, rid: str) -> bool:
-        """Abort a live or pending request (its gateway is told); False if there is none."""
+    def abort(self, rid: str, why: str | None = None) -> bool:
+        """Abort a live or pending request (its gateway is told: an "abort" finish, or the
+        error `why`); False if there is none."""
         told = [h.identity for h in self.held if h.req.request_id == rid]
         self.held = [h for h in self.held if h.req.request_id != rid]
         now = time.monotonic()
@@ -208,7 +209,8 @@ class SchedulerService:
             out.attribution = self.observer.ended(rid, "abort", now)
             told += [owner] if owner is not None else []
         for identity in told:
-            self._reply(identity, p.StepOutputs([out or p.TokenOutput(rid, [], "abort")]))
+            ended = p.StepOutputs([out or p.TokenOutput(rid, [], "abort")])
+            self._reply(identity, p.RequestError(rid, why, "service_unavailable") if why else ended)
         return out is not None or bool(told)
 
     def _forget_silent_gateways(self) -> None:
@@ -219,8 +221,10 @@ class SchedulerService:
             orphans += [h.req.request_id for h in self.held if h.identity == identity]
             self.log.warning("gateway gone; aborting its requests", gateway=identity.decode(errors="replace"),
                              num_requests=len(orphans))
+            # Said as an error, not a finish: a gateway that was only frozen tells its clients why.
+            why = f"aborted by the scheduler: its gateway was silent for over {GATEWAY_STALE_S:g}s"
             for rid in orphans:
-                self.abort(rid)
+                self.abort(rid, why)
 
     def _add(self, identity: bytes, req: p.AddRequest, arrival: float | None = None) -> None:
         if self.draining:
@@ -422,6 +426,8 @@ class SchedulerService:
             worker_ready=self.core is not None,
             draining=self.draining,
             worker_id=w.worker_id if w and self.core else "",
+            max_num_seqs=self.cfg.max_num_seqs,
+            block_size=w.block_size if w else 0,
             **{k: counts.get(k, 0) for k in _STATS_COUNTS},
         )
 

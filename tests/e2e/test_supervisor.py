@@ -10,7 +10,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from bench.live.server import start_server, wait_for
+from services.supervisor import HUNG_KILL_S
 from tests.reliability.live import children_of
 
 
@@ -105,6 +108,26 @@ def test_hung_worker_is_killed_and_replaced(tmp_path):
         now = {role_of(k): k for k in children_of(server.proc.pid)}
         assert now["worker"] != kids["worker"]
         assert server.scheduler_stats()["worker_id"] not in ("", ready_id)
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_frozen_scheduler_does_not_get_the_worker_killed(tmp_path):
+    """While the scheduler is stopped the gateway reports no ready worker, which is no news
+    about the worker: the supervisor keeps it. Thawed, the scheduler resets the worker it lost
+    track of (its step overdue by the clock) and the server serves again, same processes."""
+    server = start_server(tmp_path)
+    try:
+        kids = {role_of(k): k for k in children_of(server.proc.pid)}
+        assert _complete(server)["usage"]["completion_tokens"] == 4
+        os.kill(kids["scheduler"], signal.SIGSTOP)
+        time.sleep(5.0 + 2 * HUNG_KILL_S)  # the gateway's staleness, then the watch's limit twice
+        os.kill(kids["scheduler"], signal.SIGCONT)
+        assert wait_for(server.healthy, timeout=60), server.log_tail()
+        assert _complete(server)["usage"]["completion_tokens"] == 4, server.log_tail()
+        assert not server.logged("worker hung"), server.log_tail()
+        assert {role_of(k): k for k in children_of(server.proc.pid)} == kids
     finally:
         assert server.stop() == 0
 

@@ -37,7 +37,7 @@ def undisturbed(prompt: list[int], max_tokens: int) -> list[int]:
 
 class ToyWorker:
     """Executes plans in order, checks the plan's positions against what it has computed,
-    and replies unless hung. `kill()` closes its socket at once, like SIGKILL; `frozen` (an
+    and replies unless hung (stuck for good). `kill()` closes its socket at once, like SIGKILL; `frozen` (an
     Event cleared) stops it where it is, like SIGSTOP, and setting it again is SIGCONT.
     `ResetWorker` is answered as the worker does: forget everything, announce again.
     `fail_step` answers that step with a `WorkerError` once; requests in `fail_requests`
@@ -72,6 +72,8 @@ class ToyWorker:
             plan = p.worker_msg_decoder.decode(await self.sock.recv())
             await self.frozen.wait()
             if isinstance(plan, p.ResetWorker):
+                if self.hung:  # stuck in a step: it never gets to the reset
+                    continue
                 self.tokens.clear()
                 self.num_resets += 1
                 await self.sock.send(p.encode(ready))

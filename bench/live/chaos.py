@@ -1,0 +1,348 @@
+"""`superinfer bench chaos`: load past capacity while processes are killed, frozen, made to
+fail a step and cut off from each other, and check that nothing accepted is lost.
+
+1. Start the server (chaos_rig.py): `superinfer serve`, or 2 gateways, 2 schedulers and 2
+   workers (`--setup replicated`), the workers with `SUPERINFER_FAULTS=signals`.
+2. Reference and capacity: every prompt of the pool once, greedy, `--clients` at a time; the
+   texts are the undisturbed outputs, completed requests per second the capacity.
+3. Chaos: Poisson arrivals at `--load` x capacity for `--duration` s, round-robin over the
+   gateways, while a fault comes every `--every` s (uniform in [lo, hi]): its kind in turn
+   (kill, stop, raise, cut, each kind once per round, in a seeded order; raise alternates a step
+   that raises once and a request that raises until it is failed), on a seeded random target.
+4. Every request ends as refused (429/503 before any token, or no gateway listening: never
+   accepted), completed (every token, [DONE]) or failed (with the reason the client got);
+   completed ones are compared with the reference text ("identical").
+5. Time to recover, per fault: from its end (the kill, the SIGCONT, the reconnection) until
+   every stream it stalled (open at its start and silent for over `--stall-s`) flows again;
+   0 when it stalled none.
+6. At idle, each scheduler's admin socket: live requests and KV blocks still in use (leaked),
+   both must be 0; RSS of all server processes at the end within 5% of the start (after the
+   reference phase, at idle).
+
+    superinfer bench chaos --duration 600 --json bench/results/chaos_serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import aiohttp
+
+from bench.live import server
+from bench.live.chaos_rig import Fault, ReplicatedRig, Rig, ServeRig
+from bench.live.serve import request_body, send
+from bench.live.watch import idle_state, wait_idle
+from bench.live.workload import WorkItem, arrival_times, sample_sharegpt, sharegpt_conversations
+from bench.report.metrics import RequestRecord
+
+RSS_GOAL_PCT = 5.0
+KINDS = ("kill", "stop", "raise", "cut")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--setup", choices=["serve", "replicated"], default="serve")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of load under faults (default %(default)s)")
+    p.add_argument("--load", type=float, default=1.5, help="offered load, x capacity (default %(default)s)")
+    p.add_argument("--capacity", type=float, default=None, help="req/s: use this, not the reference phase's")
+    p.add_argument("--every", type=float, nargs=2, default=(30.0, 60.0), metavar=("LO", "HI"),
+                   help="seconds between faults, uniform (default 30 60)")  # fmt: skip
+    p.add_argument("--stop-s", type=float, default=8.0, help="how long a SIGSTOP lasts (default %(default)s)")
+    p.add_argument("--cut-s", type=float, default=8.0, help="how long a gateway is cut off (default %(default)s)")
+    p.add_argument("--stall-s", type=float, default=2.0, help="a stream silent this long was stalled by a fault")
+    p.add_argument("--clients", type=int, default=8, help="reference phase concurrency (default %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=32, help="ShareGPT prompts, cycled (default %(default)s)")
+    p.add_argument("--max-prompt", type=int, default=256, help="longest prompt kept, tokens (default %(default)s)")
+    p.add_argument("--max-output", type=int, default=48, help="output tokens per request (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drain-timeout", type=float, default=300.0, help="s for open requests to end after the load")
+    p.add_argument("--idle-timeout", type=float, default=60.0)
+    p.add_argument("--hbm-blocks", type=int, default=256)
+    p.add_argument("--dram-gb", type=float, default=0.25)
+    p.add_argument("--max-waiting", type=int, default=16)
+    p.add_argument("--log-dir", type=Path, default=None)
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="s for the server to get ready (a busy host)")
+    p.add_argument("--json", type=Path, default=None, help="default bench/results/chaos_<setup>.json")
+
+
+# ---------------------------------------------------------------- the load
+
+
+def chunk_times(r: RequestRecord) -> list[float]:
+    """When each streamed chunk arrived, from the phase's start."""
+    if r.ttft_s is None:
+        return []
+    times = [r.start_s + r.ttft_s]
+    for gap in r.tbt_s:
+        times.append(times[-1] + gap)
+    return times
+
+
+def classify(r: RequestRecord) -> str:
+    if r.ok and r.output_tokens == r.expected_output_tokens:
+        return "completed"
+    err = r.error or ""
+    if r.ttft_s is None and (err.startswith(("HTTP 429", "HTTP 503")) or "ClientConnectorError" in err):
+        return "refused"
+    return "failed"
+
+
+def reason(r: RequestRecord) -> str:
+    """The failure as the client was told it, ids and numbers left out so that alike ones group."""
+    err = r.error or f"finished with {r.output_tokens} of {r.expected_output_tokens} tokens"
+    return re.sub(r"(cmpl|chatcmpl)-[0-9a-f]+(~\d+)?", "<id>", err)[:160]
+
+
+async def one(session, url: str, model: str, item: WorkItem, t0: float, texts: list[str]) -> RequestRecord:
+    await asyncio.sleep(max(0.0, t0 + item.arrival_s - time.perf_counter()))
+    return await send(session, url + "/v1/completions", request_body(model, item, True), item, t0, texts)
+
+
+async def reference_phase(session, rig: Rig, model: str, pool: list[WorkItem], clients: int) -> tuple[list[str], float]:
+    """Each prompt once, `clients` at a time: (texts by pool index, completed req/s)."""
+    texts: list[list[str]] = [[] for _ in pool]
+    records: list[RequestRecord | None] = [None] * len(pool)
+    todo = iter(range(len(pool)))
+    t0 = time.perf_counter()
+
+    async def client(c: int) -> None:
+        for i in todo:
+            item = replace(pool[i], arrival_s=0.0)
+            records[i] = await one(session, rig.urls[c % len(rig.urls)], model, item, t0, texts[i])
+
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    elapsed = time.perf_counter() - t0
+    bad = [(i, r.error) for i, r in enumerate(records) if classify(r) != "completed"]
+    if bad:
+        raise SystemExit(f"superinfer bench chaos: the undisturbed reference run failed: {bad[:3]}")
+    return ["".join(t) for t in texts], len(pool) / elapsed
+
+
+async def fault_schedule(rig: Rig, args, t0: float, faults: list[Fault]) -> None:
+    rng = random.Random(f"chaos-{args.seed}")
+    at, order, num_raises = 0.0, [], 0
+    running: list[asyncio.Task] = []
+    while True:
+        at += rng.uniform(*args.every)
+        if at >= args.duration:
+            break
+        if not order:
+            order = rng.sample(KINDS, len(KINDS))
+        kind = order.pop()
+        if kind == "raise":
+            kind, num_raises = ("raise_step", "raise_request")[num_raises % 2], num_raises + 1
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        fault = Fault(kind, rig.pick(kind, rng), time.perf_counter() - t0)
+        faults.append(fault)
+        print(f"{fault.start_s:7.1f} s: fault {kind} on {fault.target}", file=sys.stderr, flush=True)
+        running.append(asyncio.create_task(rig.inject(fault, t0, args.stop_s, args.cut_s)))
+    await asyncio.gather(*running)
+
+
+async def chaos_phase(session, rig: Rig, model: str, pool: list[WorkItem], rate: float, args):
+    n = max(1, int(rate * args.duration * 1.5) + 16)
+    times = [t for t in arrival_times(n, rate, seed=args.seed) if t < args.duration]
+    items = [replace(pool[i % len(pool)], arrival_s=t) for i, t in enumerate(times)]
+    texts: list[list[str]] = [[] for _ in items]
+    faults: list[Fault] = []
+    t0 = time.perf_counter()
+    print(f"chaos: {rate:.3f} req/s for {args.duration:g} s ({len(items)} requests)", file=sys.stderr, flush=True)
+    tasks = [asyncio.create_task(one(session, rig.urls[i % len(rig.urls)], model, it, t0, texts[i]))
+             for i, it in enumerate(items)]  # fmt: skip
+    tender = asyncio.create_task(rig.tend())
+    await fault_schedule(rig, args, t0, faults)
+    done, pending = await asyncio.wait(tasks, timeout=max(1.0, t0 + args.duration - time.perf_counter())
+                                       + args.drain_timeout)  # fmt: skip
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    records = []
+    for task, item in zip(tasks, items, strict=True):
+        if task in done:
+            records.append(task.result())
+        else:
+            records.append(RequestRecord(False, prompt_tokens=item.prompt_tokens, arrival_s=item.arrival_s,
+                                         expected_output_tokens=item.output_tokens,
+                                         error="still open after the drain timeout"))  # fmt: skip
+    await asyncio.sleep(5.0)  # a last restart settles before the idle checks
+    tender.cancel()
+    return items, records, ["".join(t) for t in texts], faults
+
+
+# ---------------------------------------------------------------- the verdict
+
+
+def recovery_s(fault: Fault, records: list[RequestRecord], stall_s: float) -> float | None:
+    """From the fault's end until every stream it stalled flows again (see the docstring)."""
+    worst = 0.0
+    for r in records:
+        times = chunk_times(r)
+        if not times or r.start_s >= fault.start_s or times[-1] < fault.start_s:
+            continue
+        after = [t for t in times if t > fault.start_s]
+        before = [t for t in times if t <= fault.start_s] or [r.start_s]
+        if after and after[0] - before[-1] > stall_s:
+            resumed = next((t for t in after if t > fault.end_s), None)
+            if resumed is not None:
+                worst = max(worst, resumed - fault.end_s)
+    return worst
+
+
+def tally(items, records, texts, reference, pool_index, faults, stall_s) -> dict:
+    kinds = [classify(r) for r in records]
+    completed = [i for i, k in enumerate(kinds) if k == "completed"]
+    identical = sum(texts[i] == reference[pool_index[i]] for i in completed)
+    recov = {f"{f.kind}@{f.start_s:.0f}s": recovery_s(f, records, stall_s) for f in faults}
+    values = [v for v in recov.values() if v is not None]
+    return {
+        "sent": len(records),
+        "accepted": len(records) - kinds.count("refused"),
+        "refused": kinds.count("refused"),
+        "completed": len(completed),
+        "failed": kinds.count("failed"),
+        "identical": identical,
+        "failures": dict(Counter(reason(r) for r, k in zip(records, kinds) if k == "failed").most_common()),
+        "refusals": dict(Counter(reason(r) for r, k in zip(records, kinds) if k == "refused").most_common()),
+        "faults_by_kind": dict(Counter(f.kind for f in faults)),
+        "faults": [asdict(f) for f in faults],
+        "recovery_s": recov,
+        "recovery_p50_s": statistics.median(values) if values else None,
+        "recovery_max_s": max(values) if values else None,
+    }
+
+
+def goals(r: dict) -> dict[str, bool]:
+    acc = max(1, r["accepted"])
+    return {
+        "every accepted request ended": r["completed"] + r["failed"] == r["accepted"]
+        and "still open after the drain timeout" not in r["failures"],
+        ">= 99% completed": r["completed"] / acc >= 0.99,
+        "completed identical": r["identical"] == r["completed"],
+        "zero leaked blocks": r["leaked_blocks"] == 0 and r["live_requests_at_idle"] == 0,
+        f"memory within {RSS_GOAL_PCT:g}%": r["rss_growth_pct"] is not None and abs(r["rss_growth_pct"]) <= RSS_GOAL_PCT,
+        "recovery p50 <= 5 s": r["recovery_p50_s"] is not None and r["recovery_p50_s"] <= 5.0,
+    }
+
+
+async def idle_checks(rig: Rig, timeout_s: float) -> tuple[int, int]:
+    live = leaked = 0
+    for addr in rig.admins:
+        reply = await wait_idle(addr, timeout_s)
+        n, used = idle_state(reply)
+        live, leaked = live + n, leaked + used
+    return live, leaked
+
+
+async def chaos(rig: Rig, model: str, pool: list[WorkItem], args) -> dict:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        print(f"reference: {len(pool)} prompts, {args.clients} at a time", file=sys.stderr, flush=True)
+        reference, measured = await reference_phase(session, rig, model, pool, args.clients)
+        capacity = args.capacity or measured
+        await idle_checks(rig, args.idle_timeout)
+        rss_start = rig.rss()
+        items, records, texts, faults = await chaos_phase(session, rig, model, pool, args.load * capacity, args)
+    live, leaked = await idle_checks(rig, args.idle_timeout)
+    rss_end = rig.rss()
+    start_mb, end_mb = sum(rss_start.values()), sum(rss_end.values())
+    pool_index = [i % len(pool) for i in range(len(items))]
+    result = {
+        "setup": args.setup,
+        "capacity_req_s": capacity,
+        "measured_capacity_req_s": measured,
+        "offered_req_s": args.load * capacity,
+        "duration_s": args.duration,
+        **tally(items, records, texts, reference, pool_index, faults, args.stall_s),
+        "leaked_blocks": leaked,
+        "live_requests_at_idle": live,
+        "rss_start_mb": start_mb,
+        "rss_end_mb": end_mb,
+        "rss_growth_pct": 100.0 * (end_mb - start_mb) / start_mb if start_mb else None,
+        "rss_start_by_process_mb": rss_start,
+        "rss_end_by_process_mb": rss_end,
+    }
+    return {**result, "goals": goals(result)}
+
+
+def sample_pool(args) -> list[WorkItem]:
+    from shared.modelfile import resolve_model_path
+    from shared.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    pool = sample_sharegpt(sharegpt_conversations(), args.num_prompts * 8, tokenizer, args.seed)
+    short = [replace(i, output_tokens=args.max_output) for i in pool if i.prompt_tokens <= args.max_prompt]
+    return short[: args.num_prompts]
+
+
+def run(args: argparse.Namespace) -> int:
+    from shared.modelfile import default_model_path, read_model_config
+
+    pool = sample_pool(args)
+    model = read_model_config(default_model_path()).name
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix=f"superinfer-chaos-{args.setup}-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"server logs: {log_dir}", file=sys.stderr)
+    worker = ["--hbm-blocks", str(args.hbm_blocks), "--dram-gb", str(args.dram_gb), "--kv-prefault"]
+    sched = ["--max-waiting", str(args.max_waiting)]
+
+    server.STARTUP_TIMEOUT_S = args.startup_timeout
+
+    async def main() -> dict:
+        if args.setup == "serve":
+            rig = await asyncio.to_thread(ServeRig, log_dir, worker + sched)
+        else:
+            rig = ReplicatedRig(log_dir, worker, sched)
+            await rig.start(args.startup_timeout)
+        try:
+            return await chaos(rig, model, pool, args)
+        finally:
+            await asyncio.to_thread(rig.stop)
+
+    result = asyncio.run(main())
+    result["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not callable(v)}
+    print(format_result(result))
+    path = args.json or Path(f"bench/results/chaos_{args.setup}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return 0 if all(result["goals"].values()) else 1
+
+
+def num(v, spec: str = ".1f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def format_result(r: dict) -> str:
+    """The console table."""
+    acc = max(1, r["accepted"])
+    lines = [
+        f"setup       {r['setup']}: {num(r['offered_req_s'], '.3f')} req/s = {r['config']['load']:g} x capacity "
+        f"{num(r['capacity_req_s'], '.3f')} req/s, for {r['duration_s']:g} s",
+        "faults      " + "  ".join(f"{k} {n}" for k, n in sorted(r["faults_by_kind"].items())),
+        f"requests    sent {r['sent']}  accepted {r['accepted']}  completed {r['completed']} "
+        f"({100.0 * r['completed'] / acc:.1f}%)  failed {r['failed']}  refused {r['refused']}",
+        f"identical   {r['identical']} of {r['completed']} completed (greedy, vs the undisturbed run)",
+        f"recovery s  p50 {num(r['recovery_p50_s'], '.2f')}  max {num(r['recovery_max_s'], '.2f')}  "
+        + "  ".join(f"{k} {num(v, '.1f')}" for k, v in r["recovery_s"].items()),
+        f"at idle     leaked blocks {r['leaked_blocks']}  live requests {r['live_requests_at_idle']}",
+        f"rss MiB     start {num(r['rss_start_mb'])}  end {num(r['rss_end_mb'])}  growth {num(r['rss_growth_pct'], '.2f')}%",
+        "goals       " + "  ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in r["goals"].items()),
+    ]
+    lines += [f"failed      {n} x {why}" for why, n in r["failures"].items()]
+    lines += [f"refused     {n} x {why}" for why, n in r["refusals"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="superinfer bench chaos", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
