@@ -128,9 +128,11 @@ def worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     g.add_argument(
         "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", "float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_1"],
         default="auto",
-        help="weights and KV cache: auto is bfloat16 on CUDA, float32 on CPU (default %(default)s)",
+        help="weights and KV cache: auto is bfloat16 on CUDA; on CPU a quantized GGUF's own format (its "
+        "matrices kept packed), else float32; q8_0/q4_0/q4_1 quantize the matrices at load (CPU; "
+        "activations and KV float32) (default %(default)s)",
     )
     g.add_argument(
         "--hbm-blocks",

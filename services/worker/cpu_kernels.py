@@ -1,8 +1,10 @@
-"""Native CPU kernels (csrc/cpu_kernels.c), compiled on first use with the machine's C compiler.
+"""Native CPU kernels (csrc/*.c, one file per kernel family), compiled on first use with the
+machine's C compiler into one shared library.
 
-The source is plain C with OpenMP (no torch headers), so a build takes well under a second;
-the shared library is cached under `$SUPERINFER_CACHE_DIR` (default ~/.cache/superinfer),
-keyed by the source, the flags, the compiler and this CPU's feature flags (`-march=native`).
+The sources are plain C with OpenMP (no torch headers), so a build takes a few seconds; the
+library is cached under `$SUPERINFER_CACHE_DIR` (default ~/.cache/superinfer), keyed by the
+sources, the flags, the compiler and this CPU's feature flags (`-march=native`). The kernels'
+limits (head sizes, panel widths, tile shapes) come from the library (`kernel_limits`).
 It links libgomp by soname, so inside a process that imported torch it runs on the OpenMP
 runtime torch already loaded, with torch's thread count.
 
@@ -29,9 +31,7 @@ import torch
 SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 ENV_SWITCH = "SUPERINFER_CPU_KERNELS"
-PANEL = 16  # output columns per panel of a packed matmul weight (csrc: PANEL)
-PF_KEYS, PF_ROWS = 8, 48  # prefill attention: head elements per pass, query rows per tile (csrc)
-AMX_N, AMX_K = 16, 32  # output columns and inputs per tile of the AMX matmul's weight (csrc: AMX_N, AMX_K)
+LIMITS = ("max_heads", "max_head_dim", "panel", "pf_keys", "pf_rows", "amx_n", "amx_k", "qblock")  # csrc/limits.c
 
 log = structlog.get_logger("worker")
 
@@ -43,6 +43,12 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL):
         f, c_int = ctypes.c_float, ctypes.c_int
+        self.lib = lib
+        limits = (_i64 * len(LIMITS))()
+        _bind(lib.kernel_limits, [_ptr, _i64], restype=_i64)(limits, len(LIMITS))
+        # max_heads, max_head_dim, panel, pf_keys, pf_rows, amx_n, amx_k, qblock
+        for name, value in zip(LIMITS, limits):
+            setattr(self, name, value)
         self._attention = _bind(lib.paged_decode_attention_f32, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
                                 + [_i64] * 5 + [f, c_int])  # fmt: skip
         # Absent where the compiler does not target AVX-512 (csrc: paged prefill attention).
@@ -62,9 +68,6 @@ class CpuKernels:
         if amx is not None and lib.amx_enable():
             self._amx = _bind(amx, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int], restype=c_int)
             self._pack_amx = _bind(lib.pack_bf16x3, [_ptr, _i64, _i64, _ptr])
-        limits = [_i64() for _ in range(2)]
-        lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
-        self.max_heads, self.max_head_dim = (x.value for x in limits)
 
     @staticmethod
     def applies(t: torch.Tensor) -> bool:
@@ -105,13 +108,13 @@ class CpuKernels:
 
     def supports_prefill(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
         """As `supports_decode`, for `prefill_attention`: built here, a head size in steps of
-        8 and at most 48 query heads per KV head (csrc: PF_KEYS, PF_ROWS)."""
+        `pf_keys` and at most `pf_rows` query heads per KV head."""
         num_heads, num_kv = q.shape[1], kv_layer.shape[3]
         return (
             self._prefill is not None
             and self.supports_decode(q, kv_layer)
-            and q.shape[2] % PF_KEYS == 0
-            and num_heads // num_kv <= PF_ROWS
+            and q.shape[2] % self.pf_keys == 0
+            and num_heads // num_kv <= self.pf_rows
         )
 
     def prefill_attention(
@@ -159,14 +162,14 @@ class CpuKernels:
     def pack_panels(self, weight: torch.Tensor) -> torch.Tensor | None:
         """weight [N, K] as the matmul kernel reads it, [N / 16, K, 16]; None where the kernel
         is not built or does not take this weight (N not a multiple of 16)."""
-        if self._linear is None or not self.applies(weight) or weight.shape[0] % PANEL:
+        if self._linear is None or not self.applies(weight) or weight.shape[0] % self.panel:
             return None
         num_out, num_in = weight.shape
-        return weight.reshape(num_out // PANEL, PANEL, num_in).transpose(1, 2).contiguous()
+        return weight.reshape(num_out // self.panel, self.panel, num_in).transpose(1, 2).contiguous()
 
     def linear(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] (rows contiguous) . W^T (+ bias) -> [M, N], W packed by `pack_panels`."""
-        return _linear(self._linear, x, panels, panels.shape[0] * PANEL, bias)
+        return _linear(self._linear, x, panels, panels.shape[0] * self.panel, bias)
 
     # ------------------------------------------------------------ prefill matmul (AMX, bf16x3)
 
@@ -174,17 +177,18 @@ class CpuKernels:
         """weight [N, K] as the AMX kernel reads it: [N / 16, K / 32, 2, 16, 32] bfloat16, each
         value's high and low bfloat16 parts (4 bytes a weight, as float32); None where the kernel
         is not built or usable here, or does not take this shape (N % 16, K % 32)."""
-        if self._amx is None or not self.applies(weight) or weight.shape[0] % AMX_N or weight.shape[1] % AMX_K:
+        if self._amx is None or not self.applies(weight) or weight.shape[0] % self.amx_n or weight.shape[1] % self.amx_k:
             return None
         num_out, num_in = weight.shape
         weight = weight.contiguous()
-        packed = torch.empty((num_out // AMX_N, num_in // AMX_K, 2, AMX_N, AMX_K), dtype=torch.bfloat16)
+        n, k = self.amx_n, self.amx_k
+        packed = torch.empty((num_out // n, num_in // k, 2, n, k), dtype=torch.bfloat16)
         self._pack_amx(weight.data_ptr(), num_out, num_in, packed.data_ptr())
         return packed
 
     def linear_bf16x3(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] (rows contiguous) . W^T (+ bias) -> [M, N] float32, W packed by `pack_bf16x3`."""
-        return _linear(self._amx, x, packed, packed.shape[0] * AMX_N, bias)
+        return _linear(self._amx, x, packed, packed.shape[0] * self.amx_n, bias)
 
     # ------------------------------------------------------------ KV copies
 
@@ -229,7 +233,7 @@ def kernels() -> CpuKernels | None:
     if os.environ.get(ENV_SWITCH, "on").lower() in ("0", "off", "false", "no"):
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(build("cpu_kernels"))))
+        return CpuKernels(ctypes.CDLL(str(build())))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         log.warning("native cpu kernels unavailable; using the torch path", error=str(e)[-500:])
         return None
@@ -240,9 +244,10 @@ def for_tensor(t: torch.Tensor) -> CpuKernels | None:
     return kernels() if CpuKernels.applies(t) else None
 
 
-def build(name: str) -> Path:
-    """Path of the shared library built from csrc/<name>.c for this machine (cached)."""
-    source = (SOURCE_DIR / f"{name}.c").read_bytes()
+def build(name: str = "cpu_kernels") -> Path:
+    """Path of the shared library built from every csrc/*.c for this machine (cached)."""
+    sources = sorted(SOURCE_DIR.glob("*.c"))
+    source = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.[ch]")))
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
@@ -256,7 +261,7 @@ def build(name: str) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE_DIR / f"{name}.c"), "-lm"],
+            [compiler, *FLAGS, "-I", str(SOURCE_DIR), "-o", str(built), *map(str, sources), "-lm"],
             capture_output=True,
             text=True,
         )

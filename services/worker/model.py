@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker import cpu_kernels
+from services.worker import cpu_kernels, cpu_quant
 from services.worker.attention import AttentionMetadata, paged_attention, write_kv
 from shared.modelfile import ModelConfig
 
@@ -53,9 +53,17 @@ class Linear(nn.Module):
     TILES_MIN_ROWS = 16
     GEMV_MAX_ROWS = 2
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor | cpu_quant.QuantWeight, bias: torch.Tensor | None):
         super().__init__()
         self.bias = None if bias is None else _param(bias)
+        self.quant = None
+        if isinstance(weight, cpu_quant.QuantWeight):
+            self.quant = cpu_quant.pack(weight)
+            if self.quant is not None:
+                self.register_buffer("quant_data", self.quant.data)  # counted with the model's buffers
+                self.tiles = self.packed = self.panels = self.weight = None
+                return
+            weight = weight.dequantize()
         tiles = _tiles_pack(weight)
         self.tiles = None if tiles is None else _param(tiles)
         self.packed = _onednn_pack(weight) if weight.device.type == "cpu" and tiles is None else None
@@ -67,6 +75,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
         rows = x.shape[0]
+        if self.quant is not None:
+            return cpu_quant.linear(x, self.quant, self.bias)
         if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
             return cpu_kernels.kernels().linear_bf16x3(x, self.tiles, self.bias)
         if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
@@ -168,6 +178,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _cat(parts: list) -> torch.Tensor | cpu_quant.QuantWeight:
+    """Output rows of several weights, one after another: packed where all share a format."""
+    if all(isinstance(p, cpu_quant.QuantWeight) for p in parts) and len({p.kind for p in parts}) == 1:
+        return cpu_quant.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, cpu_quant.QuantWeight) else p for p in parts])
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, all_reduce: AllReduce | None = None
@@ -184,10 +201,10 @@ class DecoderLayer(nn.Module):
         self.post_norm = _param(w[prefix + "post_attention_layernorm.weight"])
         # One matmul for q, k and v: [T, hidden] -> [T, (H + 2*KV) * D].
         bias = torch.cat([w[attn + p + "_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None
-        self.qkv = Linear(torch.cat([w[attn + p + "_proj.weight"] for p in "qkv"]), bias)
+        self.qkv = Linear(_cat([w[attn + p + "_proj.weight"] for p in "qkv"]), bias)
         self.o_proj = Linear(w[attn + "o_proj.weight"], None)  # [T, H * D] -> [T, hidden]
         # [T, hidden] -> [T, 2 * I]: gate columns, then up columns.
-        self.gate_up = Linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]), None)
+        self.gate_up = Linear(_cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]), None)
         self.down = Linear(w[mlp + "down_proj.weight"], None)  # [T, I] -> [T, hidden]
 
     def forward(
@@ -236,8 +253,14 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         device = torch.device(device)
-        on = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
-        self.embed = _param(on["model.embed_tokens.weight"])  # [V, hidden]
+        # Quantized matrices (cpu_quant.QuantWeight) stay packed on a CPU with the kernels;
+        # elsewhere they are dequantized to `dtype` like any float weight.
+        quant_here = device.type == "cpu" and dtype == torch.float32 and cpu_kernels.kernels() is not None
+        on = {
+            name: t if quant_here and isinstance(t, cpu_quant.QuantWeight) else _float(t).to(device=device, dtype=dtype)
+            for name, t in weights.items()
+        }
+        self.embed = _param(_float(on["model.embed_tokens.weight"]))  # [V, hidden], float for the lookup
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, on, f"model.layers.{i}.", all_reduce) for i in range(cfg.num_layers)
         )
@@ -274,3 +297,7 @@ class LlamaModel(nn.Module):
         if device not in self._inv_freq:
             self._inv_freq[device] = rope_inv_freq(self.cfg).to(device)
         return self._inv_freq[device]
+
+
+def _float(t: torch.Tensor | cpu_quant.QuantWeight) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, cpu_quant.QuantWeight) else t

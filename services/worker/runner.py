@@ -28,14 +28,17 @@ from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest, To
 
 
 def load_model(
-    path: Path, device: torch.device | str, dtype: torch.dtype = torch.float32, group: TPGroup | None = None
+    path: Path, device: torch.device | str, dtype: torch.dtype | str = torch.float32, group: TPGroup | None = None
 ) -> tuple[LlamaModel, ModelConfig]:
     """Our model with the weights at `path` (GGUF file or HF directory), ready for inference.
 
     With a tensor-parallel `group`: this rank's shard, and the config of that shard (its
     heads, KV heads and MLP rows), which is what the runner and the KV pools are sized by."""
     cfg = read_model_config(Path(path))
-    weights = load_weights(Path(path), cfg)
+    # A quantization's name (weights.QUANT_CHOICES): its matrices packed, all else float32.
+    quant = None if isinstance(dtype, torch.dtype) or group is not None else dtype
+    dtype = torch.float32 if isinstance(dtype, str) else dtype
+    weights = load_weights(Path(path), cfg, quant)
     if group is None:
         return LlamaModel(cfg, weights, device=device, dtype=dtype).eval(), cfg
     cfg = shard_config(cfg, group.num_ranks)

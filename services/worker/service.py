@@ -27,6 +27,7 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import msgspec
 import torch
@@ -42,6 +43,7 @@ from services.worker.grammar import GrammarCompiler
 from services.worker.runner import ModelRunner, load_model
 from services.worker.tp import TPGroup
 from services.worker.transfer import TransferEngine
+from services.worker.weights import gguf_quantization
 from shared import config, protocol as p, zmqsec
 from shared.log import setup_logging
 from shared.modelfile import ModelConfig, read_model_config, resolve_model_path
@@ -171,12 +173,15 @@ def resolve_device(name: str) -> torch.device:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`--dtype`: auto is bfloat16 on CUDA (a 32B model's weights and KV fit), float32 on CPU
-    (its fast kernels are float32)."""
+def resolve_dtype(name: str, device: torch.device, path: Path | None = None) -> torch.dtype | str:
+    """`--dtype`: auto is bfloat16 on CUDA (a 32B model's weights and KV fit); on CPU a quantized
+    GGUF's own format ("gguf": its Q8_0/Q4_0/Q4_1 matrices served packed), else float32. A
+    quantization's name (q8_0, q4_0, q4_1) quantizes the matrices at load, all else float32."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+        if device.type == "cuda":
+            return torch.bfloat16
+        return "gguf" if device.type == "cpu" and path is not None and gguf_quantization(path) else torch.float32
+    return DTYPES.get(name, name)
 
 
 def max_model_len(cfg: ModelConfig, asked: int | None) -> int:
@@ -195,7 +200,7 @@ def build_worker(
     """Model, both KV pools, transfer engine and runner of one rank (the only one without
     `group`). Pool sizes are agreed over the group, so a block id means the same everywhere."""
     path = resolve_model_path(args.model)
-    model, cfg = load_model(path, device, resolve_dtype(args.dtype, device), group=group)
+    model, cfg = load_model(path, device, resolve_dtype(args.dtype, device, path), group=group)
     spec = KVSpec.from_model(cfg, args.block_size, dtype=next(model.parameters()).dtype)
     num_ranks = 1 if group is None else group.num_ranks
     # Ranks on one host share its RAM: size host pools by the whole KV (all ranks' heads).

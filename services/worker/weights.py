@@ -3,17 +3,27 @@
 Both formats end up as one `dict[str, Tensor]` keyed like `LlamaForCausalLM.state_dict()`
 (`model.embed_tokens.weight`, `model.layers.{i}.self_attn.q_proj.weight`, ...), so the
 model has one loading path and tests can feed the same dict to transformers.
+
+With `quant`, the matrices come as `QuantWeight`s instead (cpu_quant.py), kept packed:
+"gguf" keeps the file's own Q8_0 / Q4_0 / Q4_1 tensors as they are (others dequantized);
+"q8_0", "q4_0" or "q4_1" quantizes every matrix to that format (one already in it is kept).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from services.worker import cpu_quant
+from services.worker.cpu_quant import QuantWeight
 from shared.modelfile import ModelConfig, is_gguf
+
+Weight = torch.Tensor | QuantWeight
+QUANT_CHOICES = ("gguf", *cpu_quant.FORMATS)
 
 # GGUF tensor name -> HF name; `{i}` is the layer index.
 _GGUF_GLOBAL = {
@@ -38,11 +48,35 @@ _GGUF_LAYER = {
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def load_weights(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """All weights of the model at `path` (a .gguf file or an HF directory), float32."""
-    weights = _load_gguf(path, cfg) if is_gguf(path) else _load_safetensors(path)
+def load_weights(path: Path, cfg: ModelConfig, quant: str | None = None) -> dict[str, Weight]:
+    """All weights of the model at `path` (a .gguf file or an HF directory), float32, or with
+    `quant` (one of QUANT_CHOICES) its matrices quantized."""
+    if quant is not None and quant not in QUANT_CHOICES:
+        raise ValueError(f"quantization {quant!r} is not one of {QUANT_CHOICES}")
+    weights = _load_gguf(path, cfg, quant) if is_gguf(path) else _load_safetensors(path)
+    if quant in cpu_quant.FORMATS:
+        for name, w in weights.items():
+            if _is_matrix(name) and not (isinstance(w, QuantWeight) and w.kind == quant):
+                w = w.dequantize() if isinstance(w, QuantWeight) else w
+                weights[name] = QuantWeight.quantize(w, quant)
     check_weights(weights, cfg)
     return weights
+
+
+def gguf_quantization(path: Path) -> str | None:
+    """The format of the GGUF's layer matrices where it is one served packed (cpu_quant.FORMATS),
+    else None (a float GGUF, another quantization, or not a GGUF)."""
+    if not is_gguf(path):
+        return None
+    import gguf
+
+    kinds = {t.tensor_type.name.lower() for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith("ffn_down.weight")}
+    return kinds.pop() if len(kinds) == 1 and kinds <= set(cpu_quant.FORMATS) else None
+
+
+def _is_matrix(name: str) -> bool:
+    """A weight multiplied by the activations (the embedding too: it is the tied head)."""
+    return name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def expected_names(cfg: ModelConfig) -> set[str]:
@@ -107,26 +141,33 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _load_gguf(path: Path, cfg: ModelConfig, quant: str | None = None) -> dict[str, Weight]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     arch = _gguf_architecture(reader)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Weight] = {}
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
         if name is None:
             continue
         # GGUF lists dims fastest-first; torch wants them the other way round.
         shape = tuple(int(d) for d in reversed(t.shape))
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(data.reshape(shape), dtype=np.float32))  # own, writable copy
+        kind = t.tensor_type.name.lower()
+        w: Weight
+        if quant is not None and kind in cpu_quant.FORMATS and len(shape) == 2:
+            w = QuantWeight(kind, torch.from_numpy(np.array(t.data, dtype=np.uint8)), shape)  # own copy
+        else:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = torch.from_numpy(np.array(data.reshape(shape), dtype=np.float32))  # own, writable copy
         # Only llama.cpp's *llama* converter permutes q/k; qwen2 keeps HF order (NEOX rope).
-        if arch == "llama" and ".q_proj." in name:
-            w = unpermute_rope_rows(w, cfg.num_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            w = unpermute_rope_rows(w, cfg.num_kv_heads)
-        out[name] = w.contiguous()
+        # The permutation moves whole rows, so a quantized matrix's blocks move with them.
+        heads = {".q_proj.": cfg.num_heads, ".k_proj.": cfg.num_kv_heads}
+        for part, num in heads.items():
+            if arch == "llama" and part in name:
+                unpermute = functools.partial(unpermute_rope_rows, num_heads=num)
+                w = w.rows(unpermute) if isinstance(w, QuantWeight) else unpermute(w)
+        out[name] = w if isinstance(w, QuantWeight) else w.contiguous()
     return out
 
 

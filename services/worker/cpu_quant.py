@@ -1,0 +1,127 @@
+"""Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1) kept packed, and the native matmul that reads
+them (csrc/quant_matmul.c, built with the other kernels by cpu_kernels.py).
+
+A `QuantWeight` is a [N, K] matrix as GGUF stores it: per output row, K / 32 blocks of a float16
+scale (and, for Q4_1, a float16 minimum) and 32 quantized values. `pack` rewrites it once in the
+kernel's panels of 16 output columns (layout in the csrc file); `linear` multiplies. The
+activations are quantized to int8 per row and block of 32 inside the kernel, as llama.cpp's
+quantized dot products do, so a product differs from the dequantize-then-matmul reference by
+that rounding (~0.5% of the output's scale).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.worker import cpu_kernels
+
+FORMATS = ("q8_0", "q4_0", "q4_1")
+BLOCK = 32  # inputs per block, every format
+_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+_BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4}
+
+
+def _ggml_type(kind: str):
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType[kind.upper()]
+
+
+@dataclass
+class QuantWeight:
+    """raw: [N, K / 32 * block bytes] uint8, GGUF's blocks of each output row."""
+
+    kind: str
+    raw: torch.Tensor
+    shape: tuple[int, int]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, kind: str) -> QuantWeight:
+        """weight [N, K] float -> `kind` (K a multiple of 32), rounded as GGUF's own quantizer does."""
+        from gguf import quants
+
+        w = weight.detach().float().contiguous().numpy()
+        raw = quants.quantize(w, _ggml_type(kind))
+        return cls(kind, torch.from_numpy(np.ascontiguousarray(raw)), tuple(weight.shape))
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32."""
+        from gguf import quants
+
+        out = quants.dequantize(self.raw.numpy(), _ggml_type(self.kind))
+        return torch.from_numpy(np.array(out, dtype=np.float32).reshape(self.shape))
+
+    def rows(self, reorder) -> QuantWeight:
+        """The same weight with its output rows reordered by `reorder` ([N, ...] -> [N, ...])."""
+        return QuantWeight(self.kind, reorder(self.raw).contiguous(), self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+
+def cat(parts: list[QuantWeight]) -> QuantWeight:
+    """Output rows of several weights of one format, one after another."""
+    assert len({p.kind for p in parts}) == 1 and len({p.shape[1] for p in parts}) == 1
+    raw = torch.cat([p.raw for p in parts])
+    return QuantWeight(parts[0].kind, raw, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+
+@dataclass
+class PackedQuant:
+    """A weight in the kernel's panels: data [N / 16 * K / 32 * bytes per panel-block] uint8."""
+
+    kind: str
+    data: torch.Tensor
+    num_out: int
+    num_in: int
+
+
+def pack(weight: QuantWeight) -> PackedQuant | None:
+    """`weight` in the native kernel's layout; None where the kernels are not built or N % 16."""
+    native = cpu_kernels.kernels()
+    num_out, num_in = weight.shape
+    if native is None or num_out % native.panel or num_in % BLOCK:
+        return None
+    panels, blocks = num_out // 16, num_in // BLOCK
+    blk = weight.raw.numpy().reshape(num_out, blocks, _BLOCK_BYTES[weight.kind])
+    d = blk[..., 0:2].copy().view(np.float16)[..., 0]  # [N, blocks]
+    if weight.kind == "q4_1":
+        m, qs = blk[..., 2:4].copy().view(np.float16)[..., 0], blk[..., 4:20]
+    elif weight.kind == "q4_0":
+        m, qs = (d.astype(np.float32) * -8).astype(np.float16), blk[..., 2:18]
+    else:
+        m = (d.astype(np.float32) * -128).astype(np.float16)
+        qs = (blk[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    # qs [N, blocks, 16 or 32] -> [panel, block, vector i, column c, r]: byte 4i + r of column c
+    groups = qs.shape[-1] // 4
+    q = qs.reshape(panels, 16, blocks, groups, 4).transpose(0, 2, 3, 1, 4).reshape(panels, blocks, -1)
+    scales = np.concatenate([d.reshape(panels, 16, blocks), m.reshape(panels, 16, blocks)], axis=1)  # [P, 32, B]
+    scales = np.ascontiguousarray(scales.transpose(0, 2, 1)).view(np.uint8)  # [P, B, 64]
+    data = np.ascontiguousarray(np.concatenate([q, scales], axis=-1)).reshape(-1)
+    return PackedQuant(weight.kind, torch.from_numpy(data), num_out, num_in)
+
+
+@functools.cache
+def _kernel(bits: int):
+    lib = cpu_kernels.kernels().lib
+    fn = lib.linear_q4 if bits == 4 else lib.linear_q8
+    _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]
+    return fn
+
+
+def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 (rows contiguous) . W^T (+ bias) -> [M, N] float32."""
+    return cpu_kernels._linear(_kernel(_BITS[packed.kind]), x, packed.data, packed.num_out, bias)
+
+
+def use_portable(on: bool) -> bool:
+    """Force (or stop forcing) the portable C loop; returns whether the AVX512-VNNI path runs."""
+    return bool(cpu_kernels.kernels().lib.quant_matmul_path(int(on)))

@@ -1,0 +1,76 @@
+/* Shared by the native CPU kernels (services/worker/cpu_kernels.py builds every C file here into one
+ * library): the limits the kernels are built for, which `kernel_limits` (limits.c) hands to Python,
+ * and the vectorised exp they share. */
+#ifndef SUPERINFER_KERNELS_H
+#define SUPERINFER_KERNELS_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HEADS 64     /* decode and prefill attention: query heads at most */
+#define MAX_HEAD_DIM 256 /* ... and head size at most */
+#define PANEL 16         /* output columns per panel of the packed matmul weights (float32, quantized, bf16) */
+#define PF_X 3           /* prefill attention: 16-row registers per tile */
+#define PF_ROWS (16 * PF_X) /* prefill attention: query rows per tile */
+#define PF_KEYS 8        /* prefill attention: keys per score pass; elements per value pass (head size in steps of it) */
+#define AMX_N 16         /* AMX matmul: float32 columns per C tile */
+#define AMX_K 32         /* AMX matmul: bfloat16 inputs per A tile row (64 bytes) */
+#define CHUNK 32         /* attention: keys scored at a time (the scores stay in L1) */
+#define QBLOCK 32        /* quantized matmul: inputs per quantization block */
+
+/* exp(x) for x <= 0 in a form the compiler vectorises (libm's expf stays scalar): x = n ln2 + r,
+ * |r| <= ln2 / 2, exp(r) by its Taylor polynomial to r^7 (relative error < 1e-8, below float's
+ * rounding), 2^n from the exponent bits. x is clamped at -87 (2^-126), where exp is 0 for us. */
+static inline float exp_nonpositive(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    const float n = __builtin_rintf(x * 1.44269504f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f; /* ln2 in two parts */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* The chunk of keys at `pos` (at most CHUNK, within its block and before `end`): its first key's
+ * address in the layer's view of the pool, and in *n how many keys it holds. */
+static inline const float *chunk_at(const float *kv, int64_t block_stride, const int64_t *table, int64_t pos,
+                                    int64_t end, int64_t block_size, int64_t slot, int64_t *n) {
+    const int64_t in_block = pos % block_size;
+    int64_t k = block_size - in_block;
+    k = k < CHUNK ? k : CHUNK;
+    *n = k < end - pos ? k : end - pos;
+    return kv + table[pos / block_size] * block_stride + in_block * slot;
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* exp_nonpositive on 16 lanes. */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+#endif

@@ -1,0 +1,139 @@
+#include "kernels.h"
+
+/* ------------------------------------------------------------ paged prefill attention (AVX-512)
+ * The queries of one prefill chunk of one request against every key before them, causal, read
+ * from the pool like decode's (the chunk's own keys are written there before attention). A work
+ * item is a tile of query rows that share a KV head: QT = PF_ROWS / G positions x the G heads of
+ * the group, one row per 16-lane register column (PF_X registers of 16 rows). The queries are held
+ * transposed, Q^T [D][rows], so both products are outer products that keep every key's and
+ * value's element a broadcast operand and a tile's rows in the lanes: S^T[t] = sum_d K[t][d] Q^T[d]
+ * (8 keys at a time, 24 accumulators), O^T[d] += sum_t V[t][d] P^T[t] (8 elements of the head at
+ * a time). The running softmax's max, sum and correction are then vectors over the rows, and the
+ * causal mask is a lane compare of each row's position with the key's. A 512-token prompt, 30
+ * layers, on a 2-core Zen 5: torch's CPU flash attention 115 ms, this kernel 31 ms (README,
+ * "Benchmarks"). */
+#ifdef __AVX512F__
+
+/* S^T[t][rows] = scale * K[t] . Q^T for T keys (T a compile-time constant). */
+static inline __attribute__((always_inline)) void pf_scores(const float *restrict kt, int64_t slot,
+                                                           const float *restrict qt, int64_t D, float scale,
+                                                           float *restrict st, const int T) {
+    __m512 acc[PF_KEYS][PF_X];
+    for (int t = 0; t < T; t++)
+        for (int x = 0; x < PF_X; x++) acc[t][x] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m512 qv[PF_X];
+        for (int x = 0; x < PF_X; x++) qv[x] = _mm512_load_ps(qt + d * PF_ROWS + 16 * x);
+        for (int t = 0; t < T; t++) {
+            const __m512 k = _mm512_set1_ps(kt[t * slot + d]);
+            for (int x = 0; x < PF_X; x++) acc[t][x] = _mm512_fmadd_ps(k, qv[x], acc[t][x]);
+        }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int t = 0; t < T; t++)
+        for (int x = 0; x < PF_X; x++) _mm512_store_ps(st + t * PF_ROWS + 16 * x, _mm512_mul_ps(acc[t][x], s));
+}
+
+/* O^T[d] = O^T[d] * corr + sum_t V[t][d] P^T[t] for the head's elements, PF_KEYS at a time. */
+static inline void pf_values(const float *restrict vt, int64_t slot, const float *restrict pt, int64_t n,
+                             int64_t D, const __m512 *corr, float *restrict ot) {
+    for (int64_t d0 = 0; d0 < D; d0 += PF_KEYS) {
+        __m512 acc[PF_KEYS][PF_X];
+        for (int e = 0; e < PF_KEYS; e++)
+            for (int x = 0; x < PF_X; x++)
+                acc[e][x] = _mm512_mul_ps(_mm512_load_ps(ot + (d0 + e) * PF_ROWS + 16 * x), corr[x]);
+        for (int64_t t = 0; t < n; t++) {
+            __m512 p[PF_X];
+            for (int x = 0; x < PF_X; x++) p[x] = _mm512_load_ps(pt + t * PF_ROWS + 16 * x);
+            for (int e = 0; e < PF_KEYS; e++) {
+                const __m512 v = _mm512_set1_ps(vt[t * slot + d0 + e]);
+                for (int x = 0; x < PF_X; x++) acc[e][x] = _mm512_fmadd_ps(v, p[x], acc[e][x]);
+            }
+        }
+        for (int e = 0; e < PF_KEYS; e++)
+            for (int x = 0; x < PF_X; x++) _mm512_store_ps(ot + (d0 + e) * PF_ROWS + 16 * x, acc[e][x]);
+    }
+}
+
+/* q: [q_len, H, D] rows `q_row_stride` floats apart (heads contiguous), the chunk's queries at
+ * positions num_cached .. num_cached + q_len - 1; table: the request's blocks (covering them);
+ * out: [q_len, H, D] contiguous. head_dim a multiple of PF_KEYS; H / KV <= PF_ROWS. */
+void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
+                                 int64_t side_stride, const int64_t *table, int64_t num_cached, int64_t q_len,
+                                 float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t block_size, float scale, int num_threads) {
+    const int64_t D = head_dim, group = num_heads / num_kv_heads, slot = num_kv_heads * D;
+    const int64_t qt_len = PF_ROWS / group; /* positions per tile */
+    const int64_t num_tiles = (q_len + qt_len - 1) / qt_len, num_items = num_tiles * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *qt = aligned_alloc(64, sizeof(float) * D * PF_ROWS);
+        float *ot = aligned_alloc(64, sizeof(float) * D * PF_ROWS);
+        float *st = aligned_alloc(64, sizeof(float) * CHUNK * PF_ROWS);
+        int32_t pos[PF_ROWS] __attribute__((aligned(64)));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; item++) {
+            /* The last tiles (the most keys) first, so the short ones fill in at the end. */
+            const int64_t tile = num_tiles - 1 - item / num_kv_heads, g = item % num_kv_heads;
+            const int64_t i0 = tile * qt_len, n_pos = q_len - i0 < qt_len ? q_len - i0 : qt_len;
+            const int64_t used = n_pos * group; /* rows past it repeat the last one, never written */
+            for (int64_t r = 0; r < PF_ROWS; r++) {
+                const int64_t rr = r < used ? r : used - 1, i = i0 + rr / group, h = g * group + rr % group;
+                pos[r] = (int32_t)(num_cached + i);
+                const float *qr = q + i * q_row_stride + h * D;
+                for (int64_t d = 0; d < D; d++) qt[d * PF_ROWS + r] = qr[d];
+            }
+            memset(ot, 0, sizeof(float) * D * PF_ROWS);
+            __m512 mx[PF_X], sm[PF_X];
+            __m512i rpos[PF_X];
+            for (int x = 0; x < PF_X; x++) {
+                mx[x] = _mm512_set1_ps(-INFINITY);
+                sm[x] = _mm512_setzero_ps();
+                rpos[x] = _mm512_load_si512(pos + 16 * x);
+            }
+            const int64_t first_diag = num_cached + i0, end = num_cached + i0 + n_pos; /* keys [0, end) */
+            for (int64_t p = 0; p < end;) {
+                int64_t n;
+                const float *kb = chunk_at(kv, block_stride, table, p, end, block_size, slot, &n) + g * D;
+                const float *vb = kb + side_stride;
+                int64_t t = 0;
+                for (; t + PF_KEYS <= n; t += PF_KEYS) pf_scores(kb + t * slot, slot, qt, D, scale, st + t * PF_ROWS, PF_KEYS);
+                for (; t < n; t++) pf_scores(kb + t * slot, slot, qt, D, scale, st + t * PF_ROWS, 1);
+                if (p + n > first_diag) /* keys past some row's position: masked out for it */
+                    for (t = 0; t < n; t++)
+                        for (int x = 0; x < PF_X; x++) {
+                            const __mmask16 late = _mm512_cmplt_epi32_mask(rpos[x], _mm512_set1_epi32((int32_t)(p + t)));
+                            float *s = st + t * PF_ROWS + 16 * x;
+                            _mm512_store_ps(s, _mm512_mask_mov_ps(_mm512_load_ps(s), late, _mm512_set1_ps(-INFINITY)));
+                        }
+                __m512 corr[PF_X];
+                for (int x = 0; x < PF_X; x++) {
+                    __m512 m = mx[x];
+                    for (t = 0; t < n; t++) m = _mm512_max_ps(m, _mm512_load_ps(st + t * PF_ROWS + 16 * x));
+                    __m512 sum = _mm512_setzero_ps();
+                    for (t = 0; t < n; t++) {
+                        float *s = st + t * PF_ROWS + 16 * x;
+                        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_load_ps(s), m));
+                        _mm512_store_ps(s, e);
+                        sum = _mm512_add_ps(sum, e);
+                    }
+                    corr[x] = exp16_nonpositive(_mm512_sub_ps(mx[x], m)); /* ~0 on the first chunk */
+                    sm[x] = _mm512_fmadd_ps(sm[x], corr[x], sum);
+                    mx[x] = m;
+                }
+                pf_values(vb, slot, st, n, D, corr, ot);
+                p += n;
+            }
+            float inv[PF_ROWS] __attribute__((aligned(64)));
+            for (int x = 0; x < PF_X; x++) _mm512_store_ps(inv + 16 * x, _mm512_div_ps(_mm512_set1_ps(1.0f), sm[x]));
+            for (int64_t r = 0; r < used; r++) {
+                float *o = out + ((i0 + r / group) * num_heads + g * group + r % group) * D;
+                for (int64_t d = 0; d < D; d++) o[d] = ot[d * PF_ROWS + r] * inv[r];
+            }
+        }
+        free(st);
+        free(ot);
+        free(qt);
+    }
+}
+#endif

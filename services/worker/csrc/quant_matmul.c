@@ -1,0 +1,239 @@
+/* Matmul with block-quantized weights kept packed (Q8_0, Q4_0, Q4_1 of GGUF), dequantized inside
+ * the kernel: y[M, N] = x[M, K] . W^T (+ bias).
+ *
+ * Every format is held as w = d * q + m per block of 32 inputs of one output column, q unsigned
+ * (4 or 8 bits), d and m float16: Q4_1 as it is, Q4_0 with m = -8 d, Q8_0 with q + 128 and
+ * m = -128 d. The activations are quantized per row and block too, as llama.cpp's q8 dot products
+ * do: x = dx * xq, xq int8, dx = max|x| / 127. A block then sums as
+ *     sum_k w_k x_k = d dx sum_k q_k xq_k + m dx sum_k xq_k
+ * with the first sum exact in int32 (vpdpbusd: unsigned q times signed xq, 64 products an
+ * instruction) and the second known per row and block before the matmul starts.
+ *
+ * Packed layout (services/worker/cpu_quant.py writes it), per panel of 16 output columns and per
+ * block of 32 inputs, QBYTES(bits) bytes:
+ *   4 bits: 4 x 64 bytes; byte c * 4 + r of vector i holds column c's inputs 4i + r (low nibble)
+ *           and 16 + 4i + r (high nibble) -- GGUF's own nibble order, so packing only transposes;
+ *   8 bits: 8 x 64 bytes; byte c * 4 + r of vector g holds column c's input 4g + r;
+ *   then 16 float16 d and 16 float16 m, one per column.
+ * So one 64-byte load is a vpdpbusd operand for 16 columns x 4 inputs, and 4 consecutive int8
+ * activations, read as one int32, its broadcast partner. A work item is one panel by up to
+ * QTILE rows, whose 16-column float accumulators stay in registers across the blocks.
+ *
+ * The AVX512-VNNI path is chosen at run time (cpuid); elsewhere a portable C loop computes the
+ * same integer sums.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define QTILE 8 /* rows per work item: 8 float accumulators + the block's 8 weight vectors in registers */
+
+static int force_portable = 0;
+
+/* Bytes per panel and block. */
+static inline int64_t qbytes(int bits) { return (bits == 4 ? 256 : 512) + 64; }
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        const float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Row r of x -> xq (K int8), dx and sx (K / 32 floats each: the scale, and dx * sum xq). */
+static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, float *sx) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+        for (int i = 0; i < QBLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < QBLOCK; i++) {
+            const int q = (int)__builtin_rintf(xb[i] * inv);
+            xq[b * QBLOCK + i] = (int8_t)q;
+            sum += q;
+        }
+        dx[b] = d;
+        sx[b] = d * (float)sum;
+    }
+}
+
+/* Portable: rows [0, M) of one panel. */
+static void panel_portable(const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *w,
+                           int bits, const float *bias, float *y, int64_t ldy, int64_t M) {
+    const int64_t nb = K / QBLOCK, bb = qbytes(bits), scales = bb - 64;
+    for (int64_t r = 0; r < M; r++) {
+        float acc[16];
+        for (int c = 0; c < 16; c++) acc[c] = bias ? bias[c] : 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = w + b * bb;
+            const int8_t *xb = xq + r * K + b * QBLOCK;
+            const uint16_t *dm = (const uint16_t *)(wb + scales);
+            for (int c = 0; c < 16; c++) {
+                int32_t s = 0;
+                for (int k = 0; k < QBLOCK; k++) {
+                    int q;
+                    if (bits == 4) {
+                        const uint8_t byte = wb[(k % 16 / 4) * 64 + c * 4 + k % 4];
+                        q = k < 16 ? byte & 0x0f : byte >> 4;
+                    } else {
+                        q = wb[(k / 4) * 64 + c * 4 + k % 4];
+                    }
+                    s += q * xb[k];
+                }
+                acc[c] += half_to_float(dm[c]) * dx[r * nb + b] * (float)s + half_to_float(dm[16 + c]) * sx[r * nb + b];
+            }
+        }
+        for (int c = 0; c < 16; c++) y[r * ldy + c] = acc[c];
+    }
+}
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
+#include <immintrin.h>
+
+/* M rows (a compile-time constant <= QTILE) of one panel. */
+static inline __attribute__((always_inline)) void panel_vnni(const int8_t *xq, const float *dx, const float *sx,
+                                                            int64_t K, const uint8_t *w, const int bits,
+                                                            const float *bias, float *y, int64_t ldy, const int M) {
+    const int64_t nb = K / QBLOCK, bb = qbytes(bits), scales = bb - 64;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[QTILE];
+    const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int r = 0; r < M; r++) acc[r] = b0;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * bb;
+        _mm_prefetch((const char *)(wb + 4 * bb), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 4 * bb + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 4 * bb + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 4 * bb + 192), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 4 * bb + 256), _MM_HINT_T0);
+        if (bits == 8) {
+            _mm_prefetch((const char *)(wb + 4 * bb + 320), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + 4 * bb + 384), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + 4 * bb + 448), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wb + 4 * bb + 512), _MM_HINT_T0);
+        }
+        __m512i wv[8];
+        if (bits == 4) {
+            for (int i = 0; i < 4; i++) {
+                const __m512i v = _mm512_loadu_si512(wb + 64 * i);
+                wv[i] = _mm512_and_si512(v, low);
+                wv[4 + i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        } else {
+            for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512(wb + 64 * g);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + scales)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + scales + 32)));
+        for (int r = 0; r < M; r++) {
+            const int32_t *x4 = (const int32_t *)(xq + r * K + b * QBLOCK);
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_set1_epi32(x4[0]));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_set1_epi32(x4[1]));
+            s0 = _mm512_dpbusd_epi32(s0, wv[2], _mm512_set1_epi32(x4[2]));
+            s1 = _mm512_dpbusd_epi32(s1, wv[3], _mm512_set1_epi32(x4[3]));
+            s0 = _mm512_dpbusd_epi32(s0, wv[4], _mm512_set1_epi32(x4[4]));
+            s1 = _mm512_dpbusd_epi32(s1, wv[5], _mm512_set1_epi32(x4[5]));
+            s0 = _mm512_dpbusd_epi32(s0, wv[6], _mm512_set1_epi32(x4[6]));
+            s1 = _mm512_dpbusd_epi32(s1, wv[7], _mm512_set1_epi32(x4[7]));
+            const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < M; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
+}
+
+#define QCASE(rows)                                                                 \
+    case rows:                                                                      \
+        if (bits == 4) panel_vnni(xq, dx, sx, K, w, 4, bias, y, ldy, rows);         \
+        else panel_vnni(xq, dx, sx, K, w, 8, bias, y, ldy, rows);                   \
+        break;
+
+static void panel_vnni_rows(const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *w,
+                            int bits, const float *bias, float *y, int64_t ldy, int64_t M) {
+    switch (M) { QCASE(1) QCASE(2) QCASE(3) QCASE(4) QCASE(5) QCASE(6) QCASE(7) QCASE(8) }
+}
+#pragma GCC pop_options
+
+static int have_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+#else
+static int have_vnni(void) { return 0; }
+static void panel_vnni_rows(const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *w,
+                            int bits, const float *bias, float *y, int64_t ldy, int64_t M) {
+    panel_portable(xq, dx, sx, K, w, bits, bias, y, ldy, M);
+}
+#endif
+
+/* 1 where the AVX512-VNNI path runs; `portable` nonzero forces the portable one (tests). */
+int quant_matmul_path(int portable) {
+    force_portable = portable;
+    return !force_portable && have_vnni();
+}
+
+/* x: [M, K] rows ldx apart; w: packed, [N / 16][K / 32][qbytes]; bias: [N] or NULL; y: [M, N]
+ * rows ldy apart. N % 16 == K % 32 == 0. Returns -1 (y untouched) without memory for xq. */
+static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy,
+                        int64_t M, int64_t N, int64_t K, int num_threads, int bits) {
+    if (M <= 0) return 0;
+    const int64_t nb = K / QBLOCK, num_panels = N / 16, pb = nb * qbytes(bits);
+    int8_t *xq = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+    float *dx = malloc(sizeof(float) * 2 * M * nb);
+    if (!xq || !dx) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
+    float *sx = dx + M * nb;
+    const int vnni = !force_portable && have_vnni();
+    const int64_t groups = (M + QTILE - 1) / QTILE, group = (M + groups - 1) / groups;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t m0g = 0; m0g < groups; m0g++)
+            for (int64_t p = 0; p < num_panels; p++) {
+                const int64_t m0 = m0g * group, rows = M - m0 < group ? M - m0 : group;
+                if (rows <= 0) continue;
+                const int8_t *xr = xq + m0 * K;
+                const float *bp = bias ? bias + p * 16 : 0;
+                float *yr = y + m0 * ldy + p * 16;
+                if (vnni) panel_vnni_rows(xr, dx + m0 * nb, sx + m0 * nb, K, w + p * pb, bits, bp, yr, ldy, rows);
+                else panel_portable(xr, dx + m0 * nb, sx + m0 * nb, K, w + p * pb, bits, bp, yr, ldy, rows);
+            }
+    }
+    free(xq);
+    free(dx);
+    return 0;
+}
+
+int linear_q4(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy, int64_t M,
+              int64_t N, int64_t K, int num_threads) {
+    return linear_quant(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 4);
+}
+
+int linear_q8(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy, int64_t M,
+              int64_t N, int64_t K, int num_threads) {
+    return linear_quant(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 8);
+}

@@ -1,0 +1,99 @@
+"""The quantized matmul (Q8_0, Q4_0, Q4_1 kept packed, csrc/quant_matmul.c) against a
+dequantize-then-matmul reference, on both of its paths (AVX512-VNNI where the CPU has it, the
+portable C loop everywhere), and the bundled GGUF loaded packed."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from services.worker import cpu_kernels, cpu_quant
+from services.worker.cpu_quant import QuantWeight
+from services.worker.weights import gguf_quantization, load_weights
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler for the native kernels")
+
+# The activations are rounded to int8 per block of 32 (as llama.cpp's quantized dot products do):
+# each product is off by up to half a step of 1/127 of its block's largest value, so a sum is
+# ~0.5% of the output's scale away from the float reference; an outlier of 40x in a short row
+# (3 blocks) takes the largest error to 1.9%.
+REL_TOL = 0.025
+
+
+@functools.cache
+def quantized(kind: str, num_out: int, num_in: int) -> tuple[QuantWeight, cpu_quant.PackedQuant]:
+    gen = torch.Generator().manual_seed(num_out + num_in)
+    weight = QuantWeight.quantize(torch.randn(num_out, num_in, generator=gen) * 0.05, kind)
+    return weight, cpu_quant.pack(weight)
+
+
+@pytest.fixture(params=["vnni", "portable"])
+def path(request):
+    vnni = cpu_quant.use_portable(request.param == "portable")
+    if request.param == "vnni" and not vnni:
+        cpu_quant.use_portable(False)
+        pytest.skip("this CPU has no AVX512-VNNI")
+    yield request.param
+    cpu_quant.use_portable(False)
+
+
+@pytest.mark.parametrize("kind", cpu_quant.FORMATS)
+@pytest.mark.parametrize("rows", [0, 1, 5, 8, 9, 16, 33])
+@pytest.mark.parametrize(("num_out", "num_in"), [(48, 96), (576, 1536)])
+def test_quant_matmul_matches_dequantized_reference(kind, rows, num_out, num_in, path):
+    """Every row count a step can have (none, one, a tile of 8, one past it, several tiles, a
+    short last tile), with and without a bias, rows read with a stride (a view)."""
+    gen = torch.Generator().manual_seed(rows * 7 + num_in)
+    weight, packed = quantized(kind, num_out, num_in)
+    x = torch.randn(rows, num_in + 32, generator=gen)[:, 16 : 16 + num_in]  # rows further apart
+    x[:, 3] *= 40  # an outlier, as the residual stream has: only its own block's scale grows
+    bias = torch.randn(num_out, generator=gen)
+    reference = x @ weight.dequantize().T
+    for b in (None, bias):
+        got = cpu_quant.linear(x, packed, b)
+        want = reference if b is None else reference + b
+        assert got.shape == (rows, num_out) and got.dtype == torch.float32
+        if rows:
+            scale = want.abs().max()
+            assert (got - want).abs().max() <= REL_TOL * scale
+            assert (got - want).abs().mean() <= REL_TOL / 3 * scale  # not one lucky element
+
+
+@pytest.mark.parametrize("kind", cpu_quant.FORMATS)
+def test_both_paths_compute_the_same_sums(kind):
+    """The integer sums are exact on both paths; only the float scaling's order differs."""
+    if not cpu_quant.use_portable(False):
+        pytest.skip("this CPU has no AVX512-VNNI")
+    gen = torch.Generator().manual_seed(1)
+    packed = cpu_quant.pack(QuantWeight.quantize(torch.randn(64, 256, generator=gen), kind))
+    x = torch.randn(11, 256, generator=gen)
+    fast = cpu_quant.linear(x, packed, None)
+    cpu_quant.use_portable(True)
+    try:
+        portable = cpu_quant.linear(x, packed, None)
+    finally:
+        cpu_quant.use_portable(False)
+    torch.testing.assert_close(fast, portable, rtol=1e-5, atol=1e-4)
+
+
+def test_pack_refuses_what_the_kernel_cannot_take():
+    weight = QuantWeight.quantize(torch.randn(40, 64), "q8_0")  # 40 output rows: not whole panels
+    assert cpu_quant.pack(weight) is None
+
+
+@pytest.mark.slow
+def test_bundled_gguf_loads_packed_with_the_float_loaders_values(model_path, cfg, weights):
+    """Kept packed ("gguf"), every matrix dequantizes to exactly what the float32 loader made
+    of it (q/k rows unpermuted alike); the bundled file is Q4_1 with a Q8_0 embedding."""
+    assert gguf_quantization(model_path) == "q4_1"
+    packed = load_weights(model_path, cfg, "gguf")
+    kinds = {name: w.kind for name, w in packed.items() if isinstance(w, QuantWeight)}
+    assert kinds["model.embed_tokens.weight"] == "q8_0"
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "q4_1"
+    assert len(kinds) == 1 + 7 * cfg.num_layers
+    for name in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                 "model.layers.3.mlp.down_proj.weight", "model.embed_tokens.weight"):  # fmt: skip
+        assert torch.equal(packed[name].dequantize(), weights[name]), name
+    assert torch.equal(packed["model.norm.weight"], weights["model.norm.weight"])
