@@ -7,7 +7,8 @@ the committed page cannot drift: tests/test_docs_config.py renders it again and 
 
 Layout: the options every command takes, then one section per service. `serve` starts the
 three services, so it takes their groups of options; it lists only what no service started
-alone takes and names the groups it shares, which are described under their service.
+alone takes and names the groups it shares, which are described under their service. Then
+the operator commands (`superinfer bench` is left out: each benchmark's options load with it).
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ def render(build_parser: Callable[[], argparse.ArgumentParser]) -> str:
         for title, actions in groups[name]:
             out += [f"### {title}", ""] + _table(sub, actions) + [""]
         out.pop()
+    out += ["", "## Operator commands", "", "Commands that talk to a running scheduler (its admin socket) or write files."]
+    for name, sub in commands.items():
+        actions = _own_actions(sub)
+        if name in SERVICES or not actions:
+            continue
+        out += ["", f"### `superinfer {name}`", "", _help_of(parser, name) + ".", ""] + _table(sub, actions)
     return "\n".join(out) + "\n"
 
 
