@@ -45,13 +45,22 @@ class ChatTemplate:
     """One compiled template plus the special-token strings templates refer to by name."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
+        self.source = source
         self._template = _environment().from_string(source)
         self._specials = dict(special_tokens)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the template renders `tools` itself (those of Qwen2.5, Hermes, Llama 3.1
+        do); for one that does not, the caller writes the tools into the messages."""
+        return "tools" in self.source
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """`tools`: OpenAI's tool list, passed to the template as `transformers` passes it."""
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._specials
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._specials, **extra
             )
         except ChatTemplateError:
             raise

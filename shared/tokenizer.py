@@ -83,17 +83,33 @@ class ModelTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    @property
+    def template_knows_tools(self) -> bool:
+        return self._template is not None and self._template.knows_tools
+
+    @property
+    def tool_call_format(self) -> str | None:
+        """The tool-call format the chat template writes, by vLLM's `--tool-call-parser`
+        name: "hermes" (`<tool_call>` JSON, Qwen2.5 and Hermes), "llama3_json" (Llama 3.1's
+        JSON); None for a template that knows no tools."""
+        source = "" if self._template is None else self._template.source
+        if "<tool_call>" in source:
+            return "hermes"
+        if "<|python_tag|>" in source or ("<|start_header_id|>" in source and "tools" in source):
+            return "llama3_json"
+        return None
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text for a conversation, ending where the assistant's reply begins.
         Raises `ValueError` when the model has no template or the template rejects the
         conversation (e.g. roles out of order)."""
         if self._template is None:
             raise ValueError("this model has no chat template; use /v1/completions")
-        return self._template.render(messages)
+        return self._template.render(messages, tools=tools)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The template writes BOS itself where the model wants one, so none is added."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=False)
 
 
 def load_tokenizer(path: Path) -> ModelTokenizer:

@@ -8,7 +8,7 @@ the OpenAPI document. Every field OpenAI documents is either honoured, refused w
 something we do not implement (unsupported.py: a 400 naming it), or one that asks nothing of
 the output (`user`, `metadata`, `safety_identifier`, the prompt-cache hints), accepted; a field
 nobody documents is ignored. Extensions beyond OpenAI: `top_k`, `ignore_eos`, `stop_token_ids`,
-`repetition_penalty`, `min_tokens` (vLLM's), `slo` (per-request latency targets in
+`repetition_penalty`, `min_tokens`, `prompt_logprobs` (vLLM's), `slo` (per-request latency targets in
 milliseconds) and `superinfer` (what to report beyond OpenAI's response).
 """
 
@@ -103,10 +103,52 @@ class ContentPart(Struct):
     text: str | None = None
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI writes it
+
+
+class ToolCall(Struct):
+    """An assistant's call of a tool: in a request's history, and in a response."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+
+class FunctionDef(Struct):
+    """A tool the model may call; `parameters` is the JSON schema its arguments follow."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+PromptLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description="prompt tokens' alternatives (vLLM's)")]
 
 
 class _Sampling(Struct, kw_only=True):
@@ -143,7 +185,7 @@ class _Sampling(Struct, kw_only=True):
     # Refused unless they ask for nothing (unsupported.py).
     include_stop_str_in_output: Refused = None
     skip_special_tokens: Refused = None
-    prompt_logprobs: Refused = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: each prompt token's logprob
     guided_json: Refused = None
     guided_regex: Refused = None
     guided_choice: Refused = None
@@ -160,11 +202,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: NumLogprobs | None = None  # needs logprobs: true
-    tools: Refused = None
-    tool_choice: Refused = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # default true: more than one call per turn
     functions: Refused = None
     function_call: Refused = None
-    parallel_tool_calls: bool | None = None  # no effect: tools are refused
     audio: Refused = None
     modalities: Refused = None
     prediction: Refused = None
@@ -177,7 +219,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    # A string, a list holding one string, or token ids (also as a list of one id list).
+    # A string, token ids, or a batch: a list of strings or of token-id lists (params.py).
     prompt: str | list[str | int | list[int]]
     # 0 scores the prompt without generating (with echo; params.py checks).
     max_tokens: Annotated[int, Meta(ge=0)] | None = None
@@ -208,8 +250,21 @@ class Reported(Struct):
 
 
 class AssistantMessage(Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # left out unless the model called tools
+
+
+class PromptLogprob(Struct):
+    """One alternative at one prompt position, as vLLM reports `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# Per prompt token (the first is null): token id (as a string) -> its logprob and the top ones'.
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
 
 
 class TopLogprob(Struct):
@@ -250,12 +305,28 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: PromptLogprobsList | UnsetType = UNSET  # vLLM's, when asked
     superinfer: Reported | UnsetType = UNSET  # left out unless set
+
+
+class DeltaFunction(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """A streamed tool call: the first delta of call `index` has its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunction | None = None
 
 
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -272,6 +343,7 @@ class ChatCompletionChunk(Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    prompt_logprobs: PromptLogprobsList | UnsetType = UNSET  # vLLM's, on the first chunk
     superinfer: Reported | UnsetType = UNSET  # left out unless set
 
 
@@ -280,6 +352,7 @@ class CompletionChoice(Struct):
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobsList | UnsetType = UNSET  # vLLM's, when asked
 
 
 class Completion(Struct):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import structlog
 from aiohttp import web
 
-from services.gateway import params, tokens
+from services.gateway import params, tokens, tools
 from services.gateway.api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,10 +32,10 @@ from services.gateway.api import (
 from services.gateway.detokenizer import TextStream
 from services.gateway.errors import ApiError, internal
 from services.gateway.generate import Timing, WithAttribution, fan_in, generate
-from services.gateway.logprobs import ChatLogprobsView, CompletionLogprobsView
+from services.gateway.logprobs import ChatLogprobsView, CompletionLogprobsView, PromptLogprobsView
 from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from services.gateway.openapi import openapi_document
-from services.gateway.responses import ChatFormat, CompletionFormat, respond_full, respond_stream
+from services.gateway.responses import ChatFormat, CompletionFormat, PromptScores, respond_full, respond_stream
 from services.gateway.scheduler_client import RequestHandle, SchedulerClient, SchedulerLink
 from shared.modelfile import ModelConfig
 from shared.protocol import AddRequest
@@ -54,6 +54,7 @@ class GatewayState:
     served_model_names: list[str] = field(default_factory=list)  # --served-model-name
     seed: int | None = None  # --seed
     root: str | None = None  # the model's file or folder, absolute (/v1/models' `root`)
+    tool_call_parser: str | None = None  # the tool-call format (tools.FORMATS); None: the template's
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     started: int = field(default_factory=lambda: int(time.time()))
 
@@ -78,6 +79,10 @@ class GatewayState:
         the same order sample the same tokens on a restarted server."""
         return None if self._seeds is None else self._seeds.getrandbits(63)
 
+    def tool_format(self) -> str:
+        """How tools are written and calls read: as set, else the chat template's format, else hermes."""
+        return self.tool_call_parser or self.tokenizer.tool_call_format or "hermes"
+
     def max_model_len(self, scheduler_max: int | None) -> int:
         return self.config.max_position if scheduler_max is None else min(self.config.max_position, scheduler_max)
 
@@ -90,12 +95,13 @@ OPENAPI = web.AppKey("openapi", bytes)  # the document, encoded once
 class Endpoint:
     prefix: str
     request_type: type
-    prompt_ids: Callable[[params.Request, ModelTokenizer], list[int]]
+    # Each prompt's token ids (chat: one), given the request and the tool-call format.
+    prompts: Callable[[params.Request, ModelTokenizer, str], list[list[int]]]
     format: type[ChatFormat] | type[CompletionFormat]
 
 
-CHAT = Endpoint("chatcmpl", ChatCompletionRequest, params.chat_prompt_ids, ChatFormat)
-COMPLETION = Endpoint("cmpl", CompletionRequest, params.completion_prompt_ids, CompletionFormat)
+CHAT = Endpoint("chatcmpl", ChatCompletionRequest, lambda r, t, f: [params.chat_prompt_ids(r, t, f)], ChatFormat)
+COMPLETION = Endpoint("cmpl", CompletionRequest, lambda r, t, f: params.completion_prompts(r, t), CompletionFormat)
 
 
 # ---------------------------------------------------------------- generation
@@ -130,55 +136,63 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     stop_ids = params.stop_token_ids(req, state.tokenizer.stop_token_ids, state.tokenizer.vocab_size)
     params.check_combinations(req)
     bias = params.logit_bias(req, state.tokenizer.vocab_size)
+    tool_format = state.tool_format()
     # Off the event loop: a long prompt (or a large schema) takes a while, and every stream's
     # next token waits on the loop.
-    grammar = await asyncio.to_thread(params.grammar, req)
-    prompt_ids = await asyncio.to_thread(ep.prompt_ids, req, state.tokenizer)
+    grammar = await asyncio.to_thread(params.grammar, req, tool_format)
+    prompts = await asyncio.to_thread(ep.prompts, req, state.tokenizer, tool_format)
     # Picked after that await, and nothing awaits from here to submit(): a scheduler lost
     # meanwhile is out of the choice, never handed a request it can no longer answer.
     link = state.client.pick()
     max_len = state.max_model_len(link.stats.max_model_len)
     default_seed = state.default_seed() if req.seed is None else None
-    prep = params.prepare(req, prompt_ids, max_len, stop_ids, default_seed, bias, grammar)
-    # n choices: n requests for the same prompt (the prefix cache shares its full blocks).
+    preps = params.prepare_batch(req, prompts, max_len, stop_ids, default_seed, bias, grammar)
+    # Choice i = prompt i // n, its (i % n)-th sample, as OpenAI indexes a batch with n; n
+    # choices of one prompt are n requests for it (the prefix cache shares its full blocks).
+    choices = [(preps[i // req.n], i) for i in range(len(preps) * req.n)]
     adds = [
         AddRequest(
-            request_id=request_id if req.n == 1 else f"{request_id}-{i}",
-            prompt_token_ids=prompt_ids,
+            request_id=request_id if len(choices) == 1 else f"{request_id}-{i}",
+            prompt_token_ids=prep.prompt_ids,
             params=params.choice_params(prep.params, i),
             slo=prep.slo,
         )
-        for i in range(req.n)
+        for prep, i in choices
     ]
     timings = [timing] + [Timing(arrival=timing.arrival) for _ in adds[1:]]
-    fmts = [_format(ep, request_id, model, req, prep, state.tokenizer, i) for i in range(req.n)]
+    texts = params.prompt_items(req) if ep is COMPLETION else [None]
+    fmts = [_format(ep, request_id, model, req, prep, state, i, texts[i // req.n]) for prep, i in choices]
     for f in fmts[1:]:
         f.created = fmts[0].created
     if req.wants_attribution:
         fmts = [WithAttribution(f, t) for f, t in zip(fmts, timings)]
     handles = _submit_all(state.client, adds, link)
+    prep = preps[0]
+    num_prompt = sum(len(p.prompt_ids) for p in preps)
     log.info(
         "request_accepted",
-        num_prompt_tokens=len(prompt_ids),
+        num_prompt_tokens=num_prompt,
         max_tokens=prep.params.max_tokens,
         stream=prep.stream,
         n=req.n,
+        num_prompts=len(preps),
     )
+    prompt_of = [i // req.n for _, i in choices]
     try:
-        async with AsyncExitStack() as choices:
+        async with AsyncExitStack() as stack:
             each = [
-                await choices.enter_async_context(
-                    aclosing(generate(state.client, h, _text(state, prep), t, prep.num_hidden_tokens > 0))
+                await stack.enter_async_context(
+                    aclosing(generate(state.client, h, _text(state, p), t, p.num_hidden_tokens > 0))
                 )
-                for h, t in zip(handles, timings)
+                for h, t, (p, _) in zip(handles, timings, choices)
             ]
-            pieces = await choices.enter_async_context(aclosing(fan_in(each)))
+            pieces = await stack.enter_async_context(aclosing(fan_in(each)))
             if prep.stream:
-                return await respond_stream(request, pieces, fmts, len(prompt_ids), prep.include_usage)
-            return await respond_full(pieces, fmts, len(prompt_ids))
+                return await respond_stream(request, pieces, fmts, num_prompt, prep.include_usage, prompt_of)
+            return await respond_full(pieces, fmts, num_prompt, prompt_of)
     finally:
-        for t in timings:
-            _finished(state, t, len(prompt_ids))
+        for t, (p, _) in zip(timings, choices):
+            _finished(state, t, len(p.prompt_ids))
 
 
 def _text(state: GatewayState, prep: params.Prepared) -> TextStream:
@@ -198,17 +212,21 @@ def _submit_all(client: SchedulerClient, adds: list[AddRequest], link: Scheduler
     return handles
 
 
-def _format(ep: Endpoint, request_id: str, model: str, req, prep: params.Prepared, tok: ModelTokenizer, index: int):
-    """The response format of choice `index`, with the logprobs view and the echoed prompt the
-    request asked for."""
-    decode = functools.partial(tok.decode, skip_special_tokens=False)  # a token's own text, as vLLM shows it
-    k = prep.top_logprobs
+def _format(ep: Endpoint, request_id: str, model: str, req, prep: params.Prepared, state: GatewayState,
+            index: int, prompt_text: str | list[int] | None):
+    """The response format of choice `index`, with the logprobs views, the echoed prompt
+    (`prompt_text`: the prompt as given) and the tool calls the request asked for."""
+    decode = functools.partial(state.tokenizer.decode, skip_special_tokens=False)  # a token's own text, as vLLM shows it
+    k, n = prep.top_logprobs, prep.prompt_logprobs
+    scores = None if n is None else PromptScores(PromptLogprobsView(decode, n), prep.prompt_ids)
     if ep.format is ChatFormat:
-        return ChatFormat(request_id, model, None if k is None else ChatLogprobsView(decode, k), index)
+        view = None if k is None else ChatLogprobsView(decode, k)
+        return ChatFormat(request_id, model, view, index, tools.tool_use(req, state.tool_format()), scores)
     echo = None
     if prep.echo:
-        echo = (req.prompt if isinstance(req.prompt, str) else tok.decode(prep.prompt_ids), prep.prompt_ids)
-    return CompletionFormat(request_id, model, None if k is None else CompletionLogprobsView(decode, k), echo, index)
+        echo = (prompt_text if isinstance(prompt_text, str) else state.tokenizer.decode(prep.prompt_ids), prep.prompt_ids)
+    view = None if k is None else CompletionLogprobsView(decode, k)
+    return CompletionFormat(request_id, model, view, echo, index, scores)
 
 
 def _finished(state: GatewayState, timing: Timing, num_prompt: int) -> None:
@@ -261,7 +279,7 @@ async def tokenize(request: web.Request) -> web.Response:
     req = tokens.decode(await read_body(request), tokens.TokenizeRequest)
     _check_model(req.model, state)
     max_len = _served_max_model_len(state)
-    return _json(await asyncio.to_thread(tokens.tokenize, req, state.tokenizer, max_len))
+    return _json(await asyncio.to_thread(tokens.tokenize, req, state.tokenizer, max_len, state.tool_format()))
 
 
 async def detokenize(request: web.Request) -> web.Response:

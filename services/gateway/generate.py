@@ -164,7 +164,9 @@ class WithAttribution:
 
     def chunk(self, text, finish_reason, piece=None):
         body = self.fmt.chunk(text, finish_reason, piece)
-        return body if finish_reason is None else self._add(body)
+        if finish_reason is not None:
+            self._add(body[-1] if isinstance(body, list) else body)
+        return body
 
     def usage_chunk(self, usage):
         return self.fmt.usage_chunk(usage)

@@ -16,7 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 
-from services.gateway.api import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from services.gateway.api import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobsList,
+    TopLogprob,
+)
 from shared.protocol import TokenLogprobs
 
 FLOOR = -9999.0  # vLLM's stand-in for -inf, which JSON cannot carry
@@ -83,3 +90,27 @@ def join(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
         tokens=[t for p in parts for t in p.tokens],
         top_logprobs=[d for p in parts for d in p.top_logprobs],
     )
+
+
+class PromptLogprobsView:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, then a map of token id
+    (a string, as JSON keys are) to {logprob, rank, decoded_token} holding the k most likely
+    tokens (ranks 1..k) and the prompt's own token. Its rank is known when it is among the
+    worker's top tokens; null otherwise."""
+
+    def __init__(self, decode: Callable[[list[int]], str], top_k: int) -> None:
+        self.token = lru_cache(maxsize=4096)(lambda t: decode([t]))
+        self.top_k = top_k
+
+    def render(self, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> PromptLogprobsList:
+        out: PromptLogprobsList = [None]
+        for token_id, lp in zip(prompt_ids[1:], logprobs):
+            entry = {
+                str(t): PromptLogprob(_finite(v), rank, self.token(t))
+                for rank, (t, v) in enumerate(zip(lp.top_ids[: self.top_k], lp.top_logprobs), start=1)
+            }
+            if str(token_id) not in entry:
+                rank = lp.top_ids.index(token_id) + 1 if token_id in lp.top_ids else None
+                entry[str(token_id)] = PromptLogprob(_finite(lp.logprob), rank, self.token(token_id))
+            out.append(entry)
+        return out

@@ -5,7 +5,7 @@ schedulers each time /metrics is read."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from services.gateway.generate import Timing
@@ -15,6 +15,9 @@ from shared.protocol import SchedulerStats
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TBT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# No `<name>_created` series (the time each counter and histogram was made), as vLLM serves
+# them: a scrape carries only the values. (A process-wide switch of prometheus_client.)
+disable_created_metrics()
 
 
 class GatewayMetrics:

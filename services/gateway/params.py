@@ -28,12 +28,14 @@ from services.gateway.api import (
     CompletionRequest,
     SLOSpec,
 )
-from services.gateway.errors import bad_request
+from services.gateway import tools as tools_mod
+from services.gateway.errors import ApiError, bad_request
 from shared.chat_template import ChatTemplateError
 from shared.protocol import SLO, SamplingParams
 from shared.tokenizer import ModelTokenizer
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_CHOICES = 1024  # prompts x n in one completions request
 Request = ChatCompletionRequest | CompletionRequest
 
 
@@ -52,17 +54,34 @@ class Prepared:
     # max_tokens 0 (completions with echo): one token is generated for the prompt's
     # logprobs to come back with, and is not reported.
     num_hidden_tokens: int = 0
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`: alternatives per prompt token
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template expects them: role and plain-text content."""
-    out = []
+def chat_messages(messages: list[ChatMessage], tools: list[dict] | None = None, fmt: str = "hermes",
+                  template_knows_tools: bool = True, results_as: str = "tool") -> list[dict]:
+    """Messages as the chat template expects them: role, plain-text content, and the tool
+    calls and results (tools.py: as they go to a template that knows tools, or written into
+    the text for one that does not, `fmt` then the call format)."""
+    out, names = [], {}
     for i, m in enumerate(messages):
         if m.role not in _ROLES:
             raise bad_request(f"unknown role {m.role!r}", param=f"messages[{i}].role")
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": _text_content(m, i)})
-    return out
+        out.append(tools_mod.template_message(m, role, _text_content(m, i), i, names))
+    return out if template_knows_tools else tools_mod.fallback_messages(out, tools, fmt, results_as)
+
+
+def render_chat(messages: list[ChatMessage], tools: list[dict] | None, fmt: str, tok: ModelTokenizer) -> str:
+    """The prompt text of a conversation. A template that knows no tools and refuses the
+    "tool" role gets tool results as user turns (tools.fallback_messages)."""
+    if tok.template_knows_tools:
+        return tok.apply_chat_template(chat_messages(messages, tools, fmt), tools)
+    try:
+        return tok.apply_chat_template(chat_messages(messages, tools, fmt, False))
+    except ChatTemplateError:
+        if not any(m.role == "tool" for m in messages):
+            raise
+    return tok.apply_chat_template(chat_messages(messages, tools, fmt, False, "user"))
 
 
 def _text_content(m: ChatMessage, i: int) -> str:
@@ -77,27 +96,48 @@ def _text_content(m: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def chat_prompt_ids(req: ChatCompletionRequest, tok: ModelTokenizer) -> list[int]:
+def chat_prompt_ids(req: ChatCompletionRequest, tok: ModelTokenizer, fmt: str = "hermes") -> list[int]:
+    """The conversation through the chat template, the tools with it (`fmt`: their format)."""
     try:
-        return tok.encode_chat(chat_messages(req.messages))
+        text = render_chat(req.messages, tools_mod.tool_dicts(req.tools), fmt, tok)
+        return tok.encode(text, add_special_tokens=False)  # the template writes BOS where the model wants one
     except (ChatTemplateError, ValueError) as e:
         raise bad_request(str(e), param="messages") from None
 
 
-def completion_prompt_ids(req: CompletionRequest, tok: ModelTokenizer) -> list[int]:
+def prompt_items(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: one (a string, or token ids), or a batch (a list
+    of strings or of token-id lists); a 400 naming `prompt` for any other shape."""
     p = req.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
     if isinstance(p, str):
-        if not p:
-            raise bad_request("prompt is empty", param="prompt")
-        return tok.encode(p)
-    if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        raise bad_request("prompt must be a string, a list of one string, or a list of token ids", "prompt")
-    bad = next((t for t in p if not 0 <= t < tok.vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})", "prompt")
-    return list(p)
+        return [p]
+    if p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return [list(p)]
+    if p and all(isinstance(t, (str, list)) for t in p):
+        if len(p) * req.n > MAX_CHOICES:
+            raise bad_request(f"{len(p)} prompts x n {req.n} is over {MAX_CHOICES} choices", param="prompt")
+        return list(p)
+    raise bad_request("prompt must be a string, token ids, or a list of strings or of token-id lists", "prompt")
+
+
+def completion_prompts(req: CompletionRequest, tok: ModelTokenizer) -> list[list[int]]:
+    """Each prompt's token ids; a bad prompt refuses the whole request, naming its index."""
+    items = prompt_items(req)
+    out = []
+    for i, item in enumerate(items):
+        where, param = ("prompt", "prompt") if len(items) == 1 else (f"prompt {i}", f"prompt[{i}]")
+        if isinstance(item, str):
+            if not item:
+                raise bad_request(f"{where} is empty", param=param)
+            out.append(tok.encode(item))
+            continue
+        if not item or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            raise bad_request(f"{where} must be a non-empty string or list of token ids", param)
+        bad = next((t for t in item if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{where}: token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})", param)
+        out.append(list(item))
+    return out
 
 
 def max_new_tokens(req: Request, num_prompt: int, max_model_len: int) -> int:
@@ -172,6 +212,8 @@ def check_combinations(req: Request) -> None:
     """400 for fields that are valid alone and not together."""
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if isinstance(req, ChatCompletionRequest):
+        tools_mod.check(req)
     if isinstance(req, CompletionRequest) and req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 needs echo (it scores the prompt)", param="max_tokens")
     if wants_grammar(req) and (req.ignore_eos or req.min_tokens):
@@ -187,10 +229,13 @@ def wants_grammar(req: Request) -> bool:
     return req.response_format is not None and req.response_format.type != "text"
 
 
-def grammar(req: Request) -> str | None:
-    """The llguidance grammar (its JSON text) that `response_format` asks for, None for no
-    constraint; a 400 naming the problem for a schema it cannot compile. It may take a while
-    for a large schema: call it off the event loop."""
+def grammar(req: Request, tool_format: str = "hermes") -> str | None:
+    """The llguidance grammar (its JSON text) that `response_format` asks for, or tools with
+    `tool_choice` required or named (tools.py); None for no constraint; a 400 naming the
+    problem for a schema it cannot compile. It may take a while for a large schema: call it
+    off the event loop."""
+    if isinstance(req, ChatCompletionRequest) and (g := tools_mod.grammar(req, tool_format)) is not None:
+        return g
     if not wants_grammar(req):
         return None
     fmt = req.response_format
@@ -226,6 +271,27 @@ def top_logprobs(req: Request) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def prompt_logprobs_k(req: Request, k: int | None, echo: bool) -> int | None:
+    """Alternatives per prompt token the worker scores: for `echo` with logprobs (k) and for
+    `prompt_logprobs` (vLLM's), the larger; each view takes as many as it reports."""
+    asked = [v for v in (k if echo else None, req.prompt_logprobs) if v is not None]
+    return max(asked) if asked else None
+
+
+def prepare_batch(req: Request, prompts: list[list[int]], *args, **kw) -> list[Prepared]:
+    """`prepare` for each prompt of a batch; a refusal names the prompt's index."""
+    out = []
+    for i, ids in enumerate(prompts):
+        try:
+            out.append(prepare(req, ids, *args, **kw))
+        except ApiError as e:
+            if len(prompts) > 1:
+                e.info.message = f"prompt {i}: {e.info.message}"
+                e.info.param = f"prompt[{i}]" if e.info.param == "prompt" else e.info.param
+            raise
+    return out
+
+
 def prepare(
     req: Request,
     prompt_ids: list[int],
@@ -251,7 +317,7 @@ def prepare(
         stop_token_ids=list(stop_token_ids),
         ignore_eos=req.ignore_eos,
         logprobs=k,
-        prompt_logprobs=k if echo else None,
+        prompt_logprobs=prompt_logprobs_k(req, k, echo),
         min_tokens=req.min_tokens or 0,
         logit_bias=bias or {},
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -264,5 +330,6 @@ def prepare(
         raise bad_request(message, param="min_tokens")
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return Prepared(
-        prompt_ids, params, to_slo(req.slo), stop_strings(req), req.stream, include_usage, k, echo, num_hidden
+        prompt_ids, params, to_slo(req.slo), stop_strings(req), req.stream, include_usage, k, echo, num_hidden,
+        req.prompt_logprobs,
     )

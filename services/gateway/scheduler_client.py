@@ -14,7 +14,7 @@ just pauses. Only past the grace period does a request fail ("service_unavailabl
 lost scheduler, if it ever answers again, is first told to abort what it still runs for us.
 
 Routing: `pick()` sends each new request to the live scheduler with the lowest
-`headroom_score` (the formula is documented there, once), ties taken round-robin. A
+`headroom_score` (headroom.py: the formula is documented there, once), ties taken round-robin. A
 scheduler leaves the rotation when it has not been heard from for `STALE_AFTER_S` (its load
 reports double as heartbeats) or when a send to it fails (its connection is gone), and comes
 back with its next message.
@@ -38,9 +38,9 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from services.gateway.errors import unavailable
-from services.scheduler.core import SchedulerConfig
+from services.gateway.headroom import headroom_score, num_blocks
 from shared import zmqsec
-from shared.config import DEFAULT_BLOCK_SIZE, DEFAULT_FAILOVER_GRACE_S, ZMQ_HWM, ZMQ_LINGER_MS
+from shared.config import DEFAULT_FAILOVER_GRACE_S, ZMQ_HWM, ZMQ_LINGER_MS
 from shared.protocol import (
     AbortRequest,
     AddRequest,
@@ -57,10 +57,6 @@ HEARTBEAT_S = 1.0
 RETRY_HELLO_S = 0.1  # until a hello gets through (the connection is still being made)
 STALE_AFTER_S = 5.0  # no message for this long: the scheduler is considered gone
 MAX_RECV_PER_TICK = 256
-# Load reports carry neither the scheduler's batch limit nor its block size: the defaults
-# stand in for both when the score weighs running requests and sizes unreported ones.
-BATCH_SLOTS = SchedulerConfig.max_num_seqs
-BLOCK_SIZE = DEFAULT_BLOCK_SIZE
 TIE_EPS = 1e-9  # scores closer than this are a tie
 
 log = structlog.get_logger()
@@ -102,39 +98,6 @@ class RequestHandle:
         return len(self.req.output_token_ids) + len(self.token_ids)
 
 
-DRAINING_SCORE = 1e9
-
-
-def headroom_score(stats: SchedulerStats, num_unreported: int = 0, num_unreported_blocks: int = 0) -> float:
-    """How close a scheduler is to missing its SLOs; lower means more headroom.
-
-        score = queued + batch + memory
-        queued = num_queued                                     requests the last step left out
-        batch  = (num_running + num_unreported) / BATCH_SLOTS   share of the step's batch
-        memory = (used HBM blocks + num_unreported_blocks) / num_hbm_blocks
-
-    A queued request means the scheduler had no room for it in its last step (it waits
-    behind the token budget, the batch limit or HBM), so each one weighs as much as a full
-    HBM pool: a new request goes where nothing waits first. A request that merely arrived
-    since the last step is not queued: it has not had its chance yet. Among schedulers with nothing queued, the
-    running batch (step time, hence TBT) and HBM use (how soon rotation starts) decide, so a
-    smaller pool fills sooner and gets less. Requests this gateway sent since the last report
-    ("unreported") count as running with their prompt's blocks, so a burst between two
-    reports spreads out instead of piling onto one scheduler. Idle schedulers tie. A draining
-    scheduler is picked only when every other one is gone (it then answers 503 itself)."""
-    if stats.draining:
-        return DRAINING_SCORE
-    queued = stats.num_queued
-    batch = (stats.num_running + num_unreported) / BATCH_SLOTS
-    used = stats.num_hbm_blocks - stats.num_free_hbm_blocks + num_unreported_blocks
-    return queued + batch + used / max(1, stats.num_hbm_blocks)
-
-
-def num_blocks(req: AddRequest) -> int:
-    """KV blocks a request needs at admission (its known tokens plus the next one)."""
-    return math.ceil((len(req.prompt_token_ids) + len(req.output_token_ids) + 1) / BLOCK_SIZE)
-
-
 class SchedulerLink:
     """One scheduler: its socket, its latest load report, and the requests it serves."""
 
@@ -166,7 +129,7 @@ class SchedulerLink:
     def on_sent(self, req: AddRequest) -> None:
         self.request_ids.add(req.request_id)
         self.num_unreported += 1
-        self.num_unreported_blocks += num_blocks(req)
+        self.num_unreported_blocks += num_blocks(req, self.stats.block_size if self.stats else 0)
 
     def on_report(self, stats: SchedulerStats, now: float) -> None:
         self.stats = stats

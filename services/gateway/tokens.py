@@ -18,9 +18,10 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
-from services.gateway.api import ChatMessage
+from services.gateway.api import ChatMessage, Tool
 from services.gateway.errors import bad_request, from_validation
-from services.gateway.params import chat_messages
+from services.gateway.params import render_chat
+from services.gateway.tools import tool_dicts
 from services.gateway.unsupported import Refused, refusal
 from shared.tokenizer import ModelTokenizer
 
@@ -37,7 +38,7 @@ class TokenizeRequest(Struct, kw_only=True):
     continue_final_message: Refused = None
     chat_template: Refused = None
     chat_template_kwargs: Refused = None
-    tools: Refused = None
+    tools: list[Tool] | None = None  # written into the prompt as /v1/chat/completions writes them
 
 
 class TokenizeResponse(Struct):
@@ -57,7 +58,7 @@ class DetokenizeResponse(Struct):
 
 
 # add_generation_prompt: true and continue_final_message: false are what our template does.
-_TOKENIZE_NO_OP = {"add_generation_prompt": (True,), "continue_final_message": (False,), "tools": ([],)}
+_TOKENIZE_NO_OP = {"add_generation_prompt": (True,), "continue_final_message": (False,)}
 _decoders = {t: msgspec.json.Decoder(t) for t in (TokenizeRequest, DetokenizeRequest)}
 
 
@@ -69,16 +70,16 @@ def decode(body: bytes, type: type):
     if type is TokenizeRequest:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give either prompt or messages", param="prompt")
-        fields = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "tools")
+        fields = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs")
         if (e := refusal(req, fields, _TOKENIZE_NO_OP)) is not None:
             raise e
     return req
 
 
-def tokenize(req: TokenizeRequest, tok: ModelTokenizer, max_model_len: int) -> TokenizeResponse:
+def tokenize(req: TokenizeRequest, tok: ModelTokenizer, max_model_len: int, tool_format: str = "hermes") -> TokenizeResponse:
     if req.messages is not None:
         try:
-            text = tok.apply_chat_template(chat_messages(req.messages))
+            text = render_chat(req.messages, tool_dicts(req.tools), tool_format, tok)
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))

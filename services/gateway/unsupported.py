@@ -1,6 +1,6 @@
 """Request fields we know and do not implement: each is refused with a 400 naming it, unless
 its value asks for nothing (null, or the no-op default clients send anyway, such as
-`"best_of": 1` or `"tool_choice": "none"`). None is accepted and dropped.
+`"best_of": 1` or `"function_call": "none"`). None is accepted and dropped.
 
 The structs in api.py declare these fields (type `Refused`, any JSON), so that the body is
 decoded once; `refusal` is the check `decode_request` runs on the decoded request. The fields
@@ -23,8 +23,6 @@ NO_OP: dict[str, tuple] = {
     "best_of": (1,),
     "suffix": ("",),
     # output formats, tools and other products
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "audio": (),
@@ -39,7 +37,6 @@ NO_OP: dict[str, tuple] = {
     # vLLM's sampling extensions
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
-    "prompt_logprobs": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),

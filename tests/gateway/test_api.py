@@ -116,14 +116,36 @@ def test_chat_messages_refused(messages, param):
     [("hi there", None), (["hi there"], None), ([1, 2, 3], [1, 2, 3]), ([[5, 6]], [5, 6])],
 )
 def test_completion_prompt_forms(tokenizer, prompt, expected):
-    ids = params.completion_prompt_ids(completion(prompt=prompt), tokenizer)
-    assert ids == (expected if expected is not None else tokenizer.encode("hi there"))
+    ids = params.completion_prompts(completion(prompt=prompt), tokenizer)
+    assert ids == [expected if expected is not None else tokenizer.encode("hi there")]
 
 
-@pytest.mark.parametrize("prompt", ["", [], [[]], ["a", "b"], [1, "a"], [True], [49152], [-1]])
+def test_a_batch_of_prompts_is_one_list_per_prompt(tokenizer):
+    ids = params.completion_prompts(completion(prompt=["a b", [5, 6], "c"]), tokenizer)
+    assert ids == [tokenizer.encode("a b"), [5, 6], tokenizer.encode("c")]
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], [1, "a"], [True], [49152], [-1]])
 def test_completion_prompt_refused(tokenizer, prompt):
-    e = refused(lambda: params.completion_prompt_ids(completion(prompt=prompt), tokenizer))
+    e = refused(lambda: params.completion_prompts(completion(prompt=prompt), tokenizer))
     assert e.status == 400 and e.info.param.startswith("prompt")
+
+
+@pytest.mark.parametrize(
+    "prompt,param", [(["a", ""], "prompt[1]"), (["a", "b", [49152]], "prompt[2]"), ([[1], [], [2]], "prompt[1]")]
+)
+def test_a_bad_prompt_in_a_batch_is_named_by_its_index(tokenizer, prompt, param):
+    e = refused(lambda: params.completion_prompts(completion(prompt=prompt), tokenizer))
+    assert e.status == 400 and e.info.param == param and f"prompt {param[7]}" in e.info.message
+
+
+def test_a_batch_over_the_context_window_names_the_prompt():
+    req = completion(prompt=["a", "b"], max_tokens=10)
+    e = refused(params.prepare_batch, req, [[1] * 5, [1] * 60], 64, [])
+    assert e.info.code == "context_length_exceeded" and e.info.param == "max_tokens", e.info
+    assert e.info.message.startswith("prompt 1: ")
+    e = refused(params.prepare_batch, completion(prompt=["a", "b"]), [[1] * 5, [1] * 64], 64, [])
+    assert e.info.code == "context_length_exceeded" and e.info.param == "prompt[1]", e.info
 
 
 def test_max_tokens_defaults_to_remaining_context():

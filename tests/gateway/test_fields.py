@@ -40,9 +40,11 @@ HONOURED = {
     "top_logprobs": 2,  # with logprobs: true
     "echo": True,
     "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "auto",
+    "parallel_tool_calls": False,
 }
-# Accepted because they ask nothing of the output (who is asking, caching hints; tool-call
-# parallelism while tools are refused).
+# Accepted because they ask nothing of the output (who is asking, caching hints).
 ACCEPTED = {
     "user": "u",
     "metadata": {"k": "v"},
@@ -50,15 +52,12 @@ ACCEPTED = {
     "prompt_cache_key": "k",
     "prompt_cache_retention": "24h",
     "prompt_cache_options": {"ttl": "24h"},
-    "parallel_tool_calls": False,
 }
 # Not implemented: a value that asks for something (refused), and the no-op defaults clients
 # send (accepted; null is accepted for every one of them too).
 REFUSED = {
     "best_of": (2, [1]),
     "suffix": ("end", [""]),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], [[]]),
-    "tool_choice": ("auto", ["none"]),
     "functions": ([{"name": "f"}], [[]]),
     "function_call": ("auto", ["none"]),
     "audio": ({"voice": "alloy", "format": "wav"}, []),
@@ -75,7 +74,6 @@ REFUSED = {
 VLLM_REFUSED = {
     "include_stop_str_in_output": (True, [False]),
     "skip_special_tokens": (False, [True]),
-    "prompt_logprobs": (1, []),
     "guided_json": ({"type": "object"}, []),
     "guided_regex": ("a+", []),
     "guided_choice": (["a"], []),
@@ -145,6 +143,7 @@ def test_vllm_extensions_we_implement_pass_validation(lone_gateway, path):
         {"ignore_eos": True},
         {"repetition_penalty": 1.2},
         {"min_tokens": 3, "max_tokens": 4},
+        {"prompt_logprobs": 2},
     ):
         status, body = post(lone_gateway, path, **fields)
         assert status == 503, (fields, body)
@@ -154,6 +153,7 @@ def test_vllm_extensions_we_implement_pass_validation(lone_gateway, path):
     assert status == 400 and body["error"]["param"] == "stop_token_ids"
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD_VALUES = [
     (CHAT, {"frequency_penalty": 2.5}, "frequency_penalty"),
     (CHAT, {"presence_penalty": -2.1}, "presence_penalty"),
@@ -170,6 +170,20 @@ BAD_VALUES = [
     (CHAT, {"max_tokens": 0, "echo": True}, "max_tokens"),
     (CHAT, {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     (COMPLETION, {"min_tokens": -1}, "min_tokens"),
+    (COMPLETION, {"prompt_logprobs": -1}, "prompt_logprobs"),
+    (CHAT, {"prompt_logprobs": 21}, "prompt_logprobs"),
+    (COMPLETION, {"prompt": ["ok", ""]}, "prompt[1]"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),  # without tools
+    (CHAT, {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    (CHAT, {"tools": [TOOL], "tool_choice": "bogus"}, "tool_choice"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    (CHAT, {"tools": [TOOL, TOOL]}, "tools"),
+    (CHAT, {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            "tool_choice": "required"}, "tools[0].function.parameters"),
+    (CHAT, {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]},
+     "messages[0].tool_calls[0]"),
 ]
 
 

@@ -95,7 +95,8 @@ class Memory:
         return self._chain(req, limit)
 
     def _chain(self, req: Request, max_dram: float) -> list[tuple[int, bool]]:
-        if not self.caching or req.status is not Status.WAITING:
+        # A request that scores its prompt (echo, prompt_logprobs) computes all of it.
+        if not self.caching or req.status is not Status.WAITING or req.params.prompt_logprobs is not None:
             return []
         num_max = (req.num_tokens - 1) // self.block_size
         if num_max <= 0:
