@@ -6,7 +6,7 @@
     superinfer abort ID | drain [--undo]  # operator commands (admin token)
     superinfer keys DIR                   # CURVE keys for --zmq-keys (tcp:// off loopback)
     superinfer docs config                # regenerate docs/configuration.md from the flags
-    superinfer bench model|matmul|kv|sched|grammar ...   # benchmarks (print numbers, write JSON)
+    superinfer bench model|matmul|quant|kv|sched|grammar ...   # benchmarks (print numbers, write JSON)
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from shared import config, log, zmqsec
 BENCHMARKS = {
     "model": ("bench.micro.model", "our worker vs transformers: prefill tok/s, decode step ms"),
     "matmul": ("bench.micro.matmul", "the worker's CPU matmul layouts (panels, oneDNN, [in, out]): ms by rows"),
+    "quant": ("bench.micro.quant", "each weight precision (fp32, bf16, GGUF quants): greedy agreement, perplexity, ITL"),
     "kv": ("bench.micro.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
     "sched": ("bench.micro.sched", "time of one LVF scheduling step vs live requests"),
     "grammar": ("bench.micro.grammar", "llguidance vs xgrammar vs outlines-core: schema compile ms, mask ms per step"),

@@ -132,7 +132,8 @@ def worker_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="weights and KV cache: auto is bfloat16 on CUDA; on CPU a quantized GGUF's own format (its "
         "matrices kept packed), else float32; q8_0/q4_0/q4_1 quantize the matrices at load (CPU; "
-        "activations and KV float32) (default %(default)s)",
+        "activations and KV float32); bfloat16 on a CPU with AVX512-BF16: bfloat16 matrices, float32 "
+        "activations and KV (default %(default)s)",
     )
     g.add_argument(
         "--hbm-blocks",

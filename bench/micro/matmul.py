@@ -8,7 +8,10 @@ worker's `Linear` can hold (services/worker/model.py):
 - `panels`: the native kernel's 16-column panels (AVX-512 machines only);
 - `bf16x3`: the native AMX kernel's split bfloat16 tiles (machines with AMX only);
 - `onednn`: the copy packed once for oneDNN;
-- `in_out`: a contiguous [in, out] copy multiplied by torch (MKL's GEMM/GEMV).
+- `in_out`: a contiguous [in, out] copy multiplied by torch (MKL's GEMM/GEMV);
+- `q8_0`, `q4_1`: the weights quantized and kept packed (csrc/quant_matmul.c: int8 activations,
+  AVX512-VNNI where present); `bf16`: bfloat16 weights on vdpbf16ps (AVX512-BF16 machines only).
+  These are checked against the dequantized weights' product (they round the activations).
 
 The layouts alternate within every repetition, so a machine whose speed drifts slows them
 alike; each figure is the median of `--reps` repetitions, ms per step (all layers). Every
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker import cpu_kernels
+from services.worker import cpu_kernels, cpu_quant
 from services.worker.model import _onednn_pack
 from shared.modelfile import read_model_config, resolve_model_path
 
@@ -67,6 +70,18 @@ def layouts(weights: list[torch.Tensor]) -> dict[str, Callable[[list[torch.Tenso
     return out
 
 
+def quant_layouts(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, list[torch.Tensor]]]:
+    """name -> (the packed weights' matmuls, the dequantized weights they stand for)."""
+    out = {}
+    for kind in ("q8_0", "q4_1", "bf16"):
+        quantized = [cpu_quant.QuantWeight.quantize(w, kind) for w in weights]
+        packed = [cpu_quant.pack(q) for q in quantized]
+        if all(p is not None for p in packed):
+            fn = lambda xs, packed=packed: [cpu_quant.linear(x, p, None) for x, p in zip(xs, packed)]  # noqa: E731
+            out[kind] = (fn, [q.dequantize() for q in quantized[:4]])
+    return out
+
+
 def check(first_layer: list[torch.Tensor], shapes: list[tuple[int, int]]) -> None:
     """Every layout computes x @ W^T (one layer's weights, 5 rows)."""
     gen = torch.Generator().manual_seed(0)
@@ -75,6 +90,10 @@ def check(first_layer: list[torch.Tensor], shapes: list[tuple[int, int]]) -> Non
     for name, fn in layouts(first_layer).items():
         for got, ref in zip(fn(xs), want):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    for name, (fn, dequantized) in quant_layouts(first_layer).items():
+        for got, x, w in zip(fn(xs), xs, dequantized):
+            ref = x @ w.T
+            assert (got - ref).abs().max() <= 0.025 * ref.abs().max(), name  # int8 / bf16 activations
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(1)
     weights = [torch.randn(shape, generator=gen) * 0.02 for _ in range(num_layers) for shape in shapes]
     check(weights[: len(shapes)], shapes)
-    fns = layouts(weights)
+    fns = layouts(weights) | {name: fn for name, (fn, _) in quant_layouts(weights).items()}
     rows_list = [int(r) for r in args.rows.split(",")]
     ms: dict[str, dict[int, float]] = {name: {} for name in fns}
     for rows in rows_list:

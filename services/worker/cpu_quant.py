@@ -1,5 +1,6 @@
 """Block-quantized weights (GGUF's Q8_0, Q4_0, Q4_1) kept packed, and the native matmul that reads
-them (csrc/quant_matmul.c, built with the other kernels by cpu_kernels.py).
+them (csrc/quant_matmul.c, built with the other kernels by cpu_kernels.py); bfloat16 weights
+(float32 activations) the same way (csrc/bf16_matmul.c, vdpbf16ps).
 
 A `QuantWeight` is a [N, K] matrix as GGUF stores it: per output row, K / 32 blocks of a float16
 scale (and, for Q4_1, a float16 minimum) and 32 quantized values. `pack` rewrites it once in the
@@ -20,10 +21,11 @@ import torch
 
 from services.worker import cpu_kernels
 
-FORMATS = ("q8_0", "q4_0", "q4_1")
+FORMATS = ("q8_0", "q4_0", "q4_1")  # GGUF's, served as they are
+WEIGHT_FORMATS = (*FORMATS, "bf16")  # bf16: raw is the [N, K] bfloat16 matrix itself
 BLOCK = 32  # inputs per block, every format
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-_BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4}
+_BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "bf16": 16}
 
 
 def _ggml_type(kind: str):
@@ -45,6 +47,8 @@ class QuantWeight:
         """weight [N, K] float -> `kind` (K a multiple of 32), rounded as GGUF's own quantizer does."""
         from gguf import quants
 
+        if kind == "bf16":
+            return cls(kind, weight.detach().to(torch.bfloat16).contiguous(), tuple(weight.shape))
         w = weight.detach().float().contiguous().numpy()
         raw = quants.quantize(w, _ggml_type(kind))
         return cls(kind, torch.from_numpy(np.ascontiguousarray(raw)), tuple(weight.shape))
@@ -53,6 +57,8 @@ class QuantWeight:
         """[N, K] float32."""
         from gguf import quants
 
+        if self.kind == "bf16":
+            return self.raw.float()
         out = quants.dequantize(self.raw.numpy(), _ggml_type(self.kind))
         return torch.from_numpy(np.array(out, dtype=np.float32).reshape(self.shape))
 
@@ -62,7 +68,7 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.raw.numel()
+        return self.raw.numel() * self.raw.element_size()
 
 
 def cat(parts: list[QuantWeight]) -> QuantWeight:
@@ -88,6 +94,15 @@ def pack(weight: QuantWeight) -> PackedQuant | None:
     num_out, num_in = weight.shape
     if native is None or num_out % native.panel or num_in % BLOCK:
         return None
+    if weight.kind == "bf16":
+        if not bf16_fast():
+            return None
+        data = torch.empty(num_out * num_in, dtype=torch.bfloat16)
+        fn = native.lib.pack_bf16_panels
+        fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        dense = weight.dequantize()  # held until the call returns
+        fn(dense.data_ptr(), num_out, num_in, data.data_ptr())
+        return PackedQuant("bf16", data, num_out, num_in)
     panels, blocks = num_out // 16, num_in // BLOCK
     blk = weight.raw.numpy().reshape(num_out, blocks, _BLOCK_BYTES[weight.kind])
     d = blk[..., 0:2].copy().view(np.float16)[..., 0]  # [N, blocks]
@@ -107,10 +122,16 @@ def pack(weight: QuantWeight) -> PackedQuant | None:
     return PackedQuant(weight.kind, torch.from_numpy(data), num_out, num_in)
 
 
+def bf16_fast() -> bool:
+    """Whether the bfloat16 matmul runs on AVX512-BF16 here (else it is not used)."""
+    native = cpu_kernels.kernels()
+    return native is not None and bool(native.lib.bf16_matmul_path(0))
+
+
 @functools.cache
 def _kernel(bits: int):
     lib = cpu_kernels.kernels().lib
-    fn = lib.linear_q4 if bits == 4 else lib.linear_q8
+    fn = {4: lib.linear_q4, 8: lib.linear_q8, 16: lib.linear_bf16}[bits]
     _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]

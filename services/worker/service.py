@@ -34,7 +34,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from services.worker import cpu_kernels, tp
+from services.worker import cpu_kernels, cpu_quant, tp
 from services.worker.kv_pool import KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
 from services.worker.executor import StepExecutor
 from services.worker.faults import FAULTS_ENV, Faults
@@ -176,11 +176,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_dtype(name: str, device: torch.device, path: Path | None = None) -> torch.dtype | str:
     """`--dtype`: auto is bfloat16 on CUDA (a 32B model's weights and KV fit); on CPU a quantized
     GGUF's own format ("gguf": its Q8_0/Q4_0/Q4_1 matrices served packed), else float32. A
-    quantization's name (q8_0, q4_0, q4_1) quantizes the matrices at load, all else float32."""
+    quantization's name (q8_0, q4_0, q4_1) quantizes the matrices at load, all else float32.
+    bfloat16 on a CPU with AVX512-BF16 is "bf16": the matrices in bfloat16 (vdpbf16ps),
+    activations and KV float32; elsewhere the whole model and KV in bfloat16."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
         return "gguf" if device.type == "cpu" and path is not None and gguf_quantization(path) else torch.float32
+    if name == "bfloat16" and device.type == "cpu" and cpu_quant.bf16_fast():
+        return "bf16"
     return DTYPES.get(name, name)
 
 

@@ -6,7 +6,8 @@ model has one loading path and tests can feed the same dict to transformers.
 
 With `quant`, the matrices come as `QuantWeight`s instead (cpu_quant.py), kept packed:
 "gguf" keeps the file's own Q8_0 / Q4_0 / Q4_1 tensors as they are (others dequantized);
-"q8_0", "q4_0" or "q4_1" quantizes every matrix to that format (one already in it is kept).
+"q8_0", "q4_0" or "q4_1" quantizes every matrix to that format (one already in it is kept);
+"bf16" rounds every matrix to bfloat16 (served by vdpbf16ps, activations float32).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from services.worker.cpu_quant import QuantWeight
 from shared.modelfile import ModelConfig, is_gguf
 
 Weight = torch.Tensor | QuantWeight
-QUANT_CHOICES = ("gguf", *cpu_quant.FORMATS)
+QUANT_CHOICES = ("gguf", *cpu_quant.WEIGHT_FORMATS)
 
 # GGUF tensor name -> HF name; `{i}` is the layer index.
 _GGUF_GLOBAL = {
@@ -54,7 +55,7 @@ def load_weights(path: Path, cfg: ModelConfig, quant: str | None = None) -> dict
     if quant is not None and quant not in QUANT_CHOICES:
         raise ValueError(f"quantization {quant!r} is not one of {QUANT_CHOICES}")
     weights = _load_gguf(path, cfg, quant) if is_gguf(path) else _load_safetensors(path)
-    if quant in cpu_quant.FORMATS:
+    if quant in cpu_quant.WEIGHT_FORMATS:
         for name, w in weights.items():
             if _is_matrix(name) and not (isinstance(w, QuantWeight) and w.kind == quant):
                 w = w.dequantize() if isinstance(w, QuantWeight) else w

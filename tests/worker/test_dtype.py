@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.flags import worker_args
+from services.worker import cpu_quant
 from services.worker.attention import build_metadata
 from services.worker.model import LlamaModel
 from services.worker.runner import ModelRunner, allocate_kv_pool
@@ -33,6 +34,17 @@ def test_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
     assert resolve_dtype("float32", torch.device("cuda", 0)) == torch.float32
+
+
+def test_auto_serves_a_quantized_gguf_quantized_on_cpu(model_path):
+    """The bundled Q4_1 file: kept packed on CPU, bfloat16 on CUDA; names of quantizations
+    pass through; bfloat16 on CPU is bfloat16 matrices where the CPU has vdpbf16ps."""
+    assert resolve_dtype("auto", torch.device("cpu"), model_path) == "gguf"
+    assert resolve_dtype("auto", torch.device("cuda", 0), model_path) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu"), model_path) == torch.float32
+    assert resolve_dtype("q8_0", torch.device("cpu"), model_path) == "q8_0"
+    want = "bf16" if cpu_quant.bf16_fast() else torch.bfloat16
+    assert resolve_dtype("bfloat16", torch.device("cpu"), model_path) == want
 
 
 def last_logits(model: LlamaModel, cfg, prompt: list[int]) -> torch.Tensor:
@@ -62,16 +74,21 @@ def test_bfloat16_on_cpu_is_close_to_float32(model, bf16_model, cfg, chat_prompt
     assert same >= 12, tokens  # 16 of 16 measured; bf16 rounding may flip a late near-tie
 
 
-def test_worker_in_bfloat16_reports_bfloat16_block_bytes(model_path, cfg):
+def test_worker_in_bfloat16_reports_its_kv_block_bytes(model_path, cfg):
     parser = argparse.ArgumentParser()
     worker_args(parser)
     args = parser.parse_args(["--device", "cpu", "--dtype", "bfloat16", "--hbm-blocks", "8", "--dram-gb", "0.01"])
     args.model, args.worker_id = str(model_path), "w"
     runner, engine, ready = build_worker(args, torch.device("cpu"))
     try:
-        assert next(runner.model.parameters()).dtype == torch.bfloat16
-        assert runner.kv_pool.dtype == engine.pools.dram.dtype == torch.bfloat16
-        want = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, 2)
+        if cpu_quant.bf16_fast():  # bfloat16 matrices on vdpbf16ps; activations and KV float32
+            assert runner.model.layers[0].qkv.quant.kind == runner.model.lm_head.quant.kind == "bf16"
+            kv_dtype, kv_bytes = torch.float32, 4
+        else:
+            assert next(runner.model.parameters()).dtype == torch.bfloat16
+            kv_dtype, kv_bytes = torch.bfloat16, 2
+        assert runner.kv_pool.dtype == engine.pools.dram.dtype == kv_dtype
+        want = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, kv_bytes)
         assert ready.block_bytes == engine.pools.spec.block_bytes == want
         assert ready.num_dram_blocks == int(0.01 * (1 << 30)) // want
     finally:

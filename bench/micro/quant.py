@@ -1,0 +1,239 @@
+"""`superinfer bench quant`: what each weight precision costs in accuracy and what it buys in speed.
+
+For every precision the worker serves on CPU (`--dtype`: float32, bfloat16, the GGUF's own
+quantization kept packed, and q8_0 / q4_0 / q4_1 quantized at load), the same model file:
+
+- greedy agreement with float32: `--prompts` chat prompts (the first human turns of ShareGPT
+  conversations, chat-templated, cut at `--prompt-tokens`), `--tokens` greedy tokens each,
+  generated in one batch; the share of tokens equal to float32's at the same position up to
+  the first difference (a prompt counts in full only if it never diverges), and the share of
+  prompts whose whole continuation is float32's;
+- perplexity on a fixed text: the first `--ppl-tokens` tokens of the first ShareGPT answers,
+  joined, scored in one prefill (next-token cross-entropy, exp of the mean);
+- one-stream decode ITL: the median of `--steps` decode steps of one request at a
+  `--context`-token context, with the bytes of weights a step reads (every layer matrix and
+  the head, in the layout the worker holds), and the memory-bandwidth limit for those bytes:
+  the time of one read of that many bytes, measured here (`--read-gb` GB buffer summed,
+  the median of 5) — the ITL no kernel could beat.
+
+The CPU may be shared: the precisions' ITLs are measured in turns, one step each, so a noisy
+neighbour slows all alike; compare them as ratios of this run. Writes JSON (`--json`).
+
+    superinfer bench quant --json bench/results/quant_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention import build_metadata
+from services.worker.model import LlamaModel, Linear
+from services.worker.runner import ModelRunner, allocate_kv_pool, load_model
+from services.worker.weights import gguf_quantization
+from shared.modelfile import resolve_model_path
+from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
+
+BLOCK = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF or HF folder (default: the bundled model)")
+    p.add_argument("--precisions", default="float32,bfloat16,gguf,q8_0,q4_0,q4_1",
+                   help="comma-separated; gguf = the file's own quantization, kept packed")  # fmt: skip
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompts cut to at most this many tokens")
+    p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--ppl-tokens", type=int, default=1024)
+    p.add_argument("--context", type=int, default=512, help="context of the timed decode steps")
+    p.add_argument("--steps", type=int, default=40, help="timed decode steps per precision")
+    p.add_argument("--read-gb", type=float, default=1.0, help="buffer read to time the memory bandwidth")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", type=Path, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    names = [n.strip() for n in args.precisions.split(",") if n.strip()]
+    if "gguf" in names and gguf_quantization(path) is None:
+        names.remove("gguf")
+    prompts, text = chat_prompts(path, args), fixed_text(path, args.ppl_tokens)
+    models = {n: load_model(path, "cpu", torch.bfloat16 if n == "bfloat16" else torch.float32 if n == "float32" else n)
+              for n in names}  # fmt: skip
+    cfg = next(iter(models.values()))[1]
+    results: dict = {"model": str(path), "threads": torch.get_num_threads(), "precisions": {}}
+    reference = None
+    for name, (model, _) in models.items():
+        t0 = time.perf_counter()
+        tokens = generate(model, cfg, prompts, args.tokens)
+        reference = reference or tokens
+        out = results["precisions"][name] = {
+            "weight_bytes_per_step": step_weight_bytes(model),
+            "perplexity": perplexity(model, cfg, text),
+            **agreement(tokens, reference),
+        }
+        print(f"{name}: agreement {out['token_agreement']:.3f}, ppl {out['perplexity']:.3f} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    gbps = read_bandwidth_gbps(args.read_gb)
+    itl = decode_itl(models, cfg, args.context, args.steps)
+    results["read_gbps"] = gbps
+    for name, out in results["precisions"].items():
+        out["itl_ms"] = itl[name]
+        out["bandwidth_limit_ms"] = out["weight_bytes_per_step"] / (gbps * 1e9) * 1e3
+        out["itl_over_limit"] = out["itl_ms"] / out["bandwidth_limit_ms"]
+    print(markdown(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def chat_prompts(path: Path, args) -> list[list[int]]:
+    from bench.live.workload import sharegpt_conversations
+    from shared.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    out = []
+    for human, _ in sharegpt_conversations():
+        ids = tok.encode_chat([{"role": "user", "content": human[:2000]}])
+        if 8 <= len(ids) <= args.prompt_tokens:
+            out.append(ids)
+        if len(out) == args.prompts:
+            return out
+    return out
+
+
+def fixed_text(path: Path, num_tokens: int) -> list[int]:
+    from bench.live.workload import sharegpt_conversations
+    from shared.tokenizer import load_tokenizer
+
+    tok, ids = load_tokenizer(path), []
+    for _, answer in sharegpt_conversations():
+        ids += tok.encode(answer + "\n\n", add_special_tokens=False)
+        if len(ids) >= num_tokens:
+            return ids[:num_tokens]
+    return ids
+
+
+# ---------------------------------------------------------------- accuracy
+
+
+def generate(model: LlamaModel, cfg, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    """Greedy continuations of every prompt, all in one batch (prefill, then a step per token)."""
+    dtype = next(model.parameters()).dtype
+    per = -(-(max(map(len, prompts)) + num_new) // BLOCK)
+    runner = ModelRunner(model, cfg, allocate_kv_pool(cfg, per * len(prompts), BLOCK, dtype, "cpu"), BLOCK, "cpu")
+    rids = [str(i) for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=1 << 20, temperature=0.0)
+    runner.add_requests([NewRequestData(r, list(p), params) for r, p in zip(rids, prompts)])
+    tables = {r: list(range(i * per, (i + 1) * per)) for i, r in enumerate(rids)}
+    runner.execute([ScheduledRequest(r, 0, len(p), block_table=tables[r]) for r, p in zip(rids, prompts)])
+    for _ in range(num_new - 1):
+        runner.execute([ScheduledRequest(r, len(runner.token_ids(r)) - 1, 1) for r in rids])
+    return [runner.token_ids(r)[len(p) :] for r, p in zip(rids, prompts)]
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
+    """Tokens equal to the reference's up to each prompt's first difference, and whole matches."""
+    same = 0
+    for ours, ref in zip(tokens, reference):
+        same += next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
+    total = sum(map(len, reference))
+    identical = sum(a == b for a, b in zip(tokens, reference))
+    return {"token_agreement": same / total, "identical_prompts": identical / len(reference)}
+
+
+@torch.inference_mode()
+def perplexity(model: LlamaModel, cfg, ids: list[int]) -> float:
+    n = len(ids)
+    dtype = next(model.parameters()).dtype
+    pool = allocate_kv_pool(cfg, -(-n // BLOCK), BLOCK, dtype, "cpu")
+    meta = build_metadata([0], [n], [list(range(-(-n // BLOCK)))], BLOCK, "cpu")
+    logits = model(torch.tensor(ids), torch.arange(n), meta, pool, torch.arange(n - 1))  # [n - 1, V]
+    return math.exp(F.cross_entropy(logits.float(), torch.tensor(ids[1:])).item())
+
+
+# ---------------------------------------------------------------- speed
+
+
+def step_weight_bytes(model: LlamaModel) -> int:
+    """Bytes of the matrices one decode step reads, as the model holds them (the fastest layout
+    a one-row step uses; the embedding is a lookup of one row and not counted)."""
+    total = 0
+    for m in model.modules():
+        if not isinstance(m, Linear):
+            continue
+        if m.quant is not None:
+            total += m.quant.data.numel()
+        else:
+            w = m.panels if m.panels is not None else m.weight if m.weight is not None else m.tiles
+            total += w.numel() * w.element_size()
+    return total
+
+
+def read_bandwidth_gbps(gb: float) -> float:
+    """GB/s of one pass summing a buffer far larger than the caches (median of 5)."""
+    buf = torch.ones(int(gb * 1e9) // 4, dtype=torch.float32)
+    times = []
+    for _ in range(6):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return buf.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
+@torch.inference_mode()
+def decode_itl(models: dict, cfg, context: int, steps: int) -> dict[str, float]:
+    """ms of a one-request decode step at `context` tokens; precisions in turns, a step each."""
+    blocks = -(-(context + steps + 1) // BLOCK)
+    state = {}
+    for name, (model, _) in models.items():
+        dtype = next(model.parameters()).dtype
+        pool = allocate_kv_pool(cfg, blocks, BLOCK, dtype, "cpu")
+        ids = torch.randint(100, cfg.vocab_size - 100, (context,), generator=torch.Generator().manual_seed(0))
+        meta = build_metadata([0], [context], [list(range(blocks))], BLOCK, "cpu")
+        model(ids, torch.arange(context), meta, pool, torch.tensor([context - 1]))
+        state[name] = (model, pool, [])
+    for i in range(steps + 2):
+        for name, (model, pool, times) in state.items():
+            pos = context + i
+            meta = build_metadata([pos], [1], [list(range(blocks))], BLOCK, "cpu")
+            t = time.perf_counter()
+            model(torch.tensor([7]), torch.tensor([pos]), meta, pool, torch.tensor([0]))
+            if i >= 2:  # two warm-up steps
+                times.append(time.perf_counter() - t)
+    return {name: 1e3 * statistics.median(times) for name, (_, _, times) in state.items()}
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        f"memory read: {results['read_gbps']:.1f} GB/s, {results['threads']} threads",
+        "| precision | weights read per step (MB) | 1-stream ITL (ms) | bandwidth limit (ms) | ITL / limit "
+        "| greedy agreement | identical prompts | perplexity |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in results["precisions"].items():
+        lines.append(
+            f"| {name} | {r['weight_bytes_per_step'] / 1e6:.0f} | {r['itl_ms']:.2f} | {r['bandwidth_limit_ms']:.2f} | "
+            f"{r['itl_over_limit']:.2f} | {100 * r['token_agreement']:.1f}% | {100 * r['identical_prompts']:.0f}% | "
+            f"{r['perplexity']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="superinfer bench quant", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

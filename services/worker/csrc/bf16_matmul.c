@@ -1,0 +1,168 @@
+/* Matmul with bfloat16 weights, float32 activations and output: y[M, N] = x[M, K] . W^T (+ bias).
+ *
+ * W is packed once in panels of 16 output columns, [N / 16][K / 2][16][2] bfloat16: per pair of
+ * inputs, the 16 columns' two weights side by side, which is vdpbf16ps's operand (AVX512-BF16:
+ * 32 products an instruction, summed in pairs into 16 float32 lanes). Each row of x is rounded
+ * to bfloat16 once per call (round to nearest even, as vLLM's bfloat16 activations are) and a
+ * pair of its values, read as one 32-bit word, is the broadcast partner. A work item is two
+ * panels (32 columns) by up to BF_ROWS rows, accumulators in registers; half the bytes of the
+ * float32 panels, so a decode step's weight read takes half as long.
+ *
+ * The AVX512-BF16 path is chosen at run time (cpuid); elsewhere a portable C loop does the same
+ * products in float32 (slowly: the worker then keeps its float32 layouts).
+ */
+#include "kernels.h"
+
+#define BF_ROWS 12
+
+static int bf16_force_portable = 0;
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even; finite inputs */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void panel_bf16_portable(const uint16_t *xb, int64_t K, const uint16_t *w, const float *bias, float *y,
+                                int64_t ldy, int64_t M) {
+    for (int64_t r = 0; r < M; r++)
+        for (int c = 0; c < PANEL; c++) {
+            float s = bias ? bias[c] : 0.0f;
+            for (int64_t k = 0; k < K; k++) s += from_bf16(xb[r * K + k]) * from_bf16(w[(k / 2) * 32 + c * 2 + k % 2]);
+            y[r * ldy + c] = s;
+        }
+}
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma")
+#include <immintrin.h>
+
+/* M rows (compile-time, <= BF_ROWS) by P panels (1 or 2); pairs of inputs in two chains where
+ * M is small, so one row still has independent accumulations in flight. */
+static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *xb, int64_t K, const uint16_t *w0,
+                                                           const float *bias, float *y, int64_t ldy, const int M,
+                                                           const int P) {
+    const uint16_t *w1 = w0 + K * PANEL;
+    const int64_t pairs = K / 2;
+    const uint32_t *x2 = (const uint32_t *)xb;
+    __m512 a0[BF_ROWS], a1[BF_ROWS], c0[BF_ROWS], c1[BF_ROWS];
+    for (int r = 0; r < M; r++) a0[r] = a1[r] = c0[r] = c1[r] = _mm512_setzero_ps();
+    const int two_chains = M <= 4;
+    for (int64_t j = 0; j < pairs; j += 1 + two_chains) {
+        _mm_prefetch((const char *)(w0 + (j + 16) * 32), _MM_HINT_T0);
+        if (P == 2) _mm_prefetch((const char *)(w1 + (j + 16) * 32), _MM_HINT_T0);
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + j * 32);
+        const __m512bh v1 = (__m512bh)(P == 2 ? _mm512_loadu_si512(w1 + j * 32) : _mm512_setzero_si512());
+        for (int r = 0; r < M; r++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x2[r * pairs + j]);
+            a0[r] = _mm512_dpbf16_ps(a0[r], v0, xv);
+            if (P == 2) a1[r] = _mm512_dpbf16_ps(a1[r], v1, xv);
+        }
+        if (two_chains) {
+            const __m512bh u0 = (__m512bh)_mm512_loadu_si512(w0 + (j + 1) * 32);
+            const __m512bh u1 = (__m512bh)(P == 2 ? _mm512_loadu_si512(w1 + (j + 1) * 32) : _mm512_setzero_si512());
+            for (int r = 0; r < M; r++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x2[r * pairs + j + 1]);
+                c0[r] = _mm512_dpbf16_ps(c0[r], u0, xv);
+                if (P == 2) c1[r] = _mm512_dpbf16_ps(c1[r], u1, xv);
+            }
+        }
+    }
+    const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias && P == 2 ? _mm512_loadu_ps(bias + PANEL) : _mm512_setzero_ps();
+    for (int r = 0; r < M; r++) {
+        _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(_mm512_add_ps(a0[r], c0[r]), b0));
+        if (P == 2) _mm512_storeu_ps(y + r * ldy + PANEL, _mm512_add_ps(_mm512_add_ps(a1[r], c1[r]), b1));
+    }
+}
+
+#define BF_CASE(m)                                                   \
+    case m:                                                          \
+        if (P == 2) tile_bf16(xb, K, w, bias, y, ldy, m, 2);         \
+        else tile_bf16(xb, K, w, bias, y, ldy, m, 1);                \
+        break;
+
+static void tile_bf16_rows(const uint16_t *xb, int64_t K, const uint16_t *w, const float *bias, float *y,
+                           int64_t ldy, int64_t M, int P) {
+    switch (M) {
+        BF_CASE(1) BF_CASE(2) BF_CASE(3) BF_CASE(4) BF_CASE(5) BF_CASE(6)
+        BF_CASE(7) BF_CASE(8) BF_CASE(9) BF_CASE(10) BF_CASE(11) BF_CASE(12)
+    }
+}
+
+static void round_row_bf16(const float *x, int64_t K, uint16_t *out) {
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) _mm256_storeu_si256((__m256i *)(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
+    for (; k < K; k++) out[k] = to_bf16(x[k]);
+}
+#pragma GCC pop_options
+
+static int have_bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+}
+#else
+static int have_bf16(void) { return 0; }
+static void tile_bf16_rows(const uint16_t *xb, int64_t K, const uint16_t *w, const float *bias, float *y,
+                           int64_t ldy, int64_t M, int P) {}
+static void round_row_bf16(const float *x, int64_t K, uint16_t *out) {}
+#endif
+
+/* 1 where the AVX512-BF16 path runs; `portable` nonzero forces the portable one (tests). */
+int bf16_matmul_path(int portable) {
+    bf16_force_portable = portable;
+    return !bf16_force_portable && have_bf16();
+}
+
+/* w: [N, K] float32 -> out: [N / 16][K / 2][16][2] bfloat16 (N % 16 == K % 2 == 0). */
+void pack_bf16_panels(const float *w, int64_t N, int64_t K, uint16_t *out) {
+#pragma omp parallel for
+    for (int64_t p = 0; p < N / PANEL; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int c = 0; c < PANEL; c++) out[p * K * PANEL + (k / 2) * 32 + c * 2 + k % 2] = to_bf16(w[(p * PANEL + c) * K + k]);
+}
+
+/* x: [M, K] rows ldx apart; w: packed by pack_bf16_panels; bias: [N] or NULL; y: [M, N] rows ldy
+ * apart. Returns -1 (y untouched) without memory for the rounded copy of x. */
+int linear_bf16(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy, int64_t M,
+                int64_t N, int64_t K, int num_threads) {
+    if (M <= 0) return 0;
+    uint16_t *xb = malloc(sizeof(uint16_t) * M * K);
+    if (!xb) return -1;
+    const int fast = !bf16_force_portable && have_bf16();
+    const int64_t num_panels = N / PANEL, num_pairs = (num_panels + 1) / 2;
+    const int64_t groups = (M + BF_ROWS - 1) / BF_ROWS, group = (M + groups - 1) / groups;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) {
+            if (fast) round_row_bf16(x + r * ldx, K, xb + r * K);
+            else
+                for (int64_t k = 0; k < K; k++) xb[r * K + k] = to_bf16(x[r * ldx + k]);
+        }
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t pair = 0; pair < num_pairs; pair++) {
+                const int64_t m0 = g * group, rows = M - m0 < group ? M - m0 : group, p = 2 * pair;
+                if (rows <= 0) continue;
+                const int P = p + 1 < num_panels ? 2 : 1;
+                const uint16_t *wp = w + p * K * PANEL;
+                const float *bp = bias ? bias + p * PANEL : 0;
+                float *yp = y + m0 * ldy + p * PANEL;
+                if (fast) tile_bf16_rows(xb + m0 * K, K, wp, bp, yp, ldy, rows, P);
+                else
+                    for (int q = 0; q < P; q++)
+                        panel_bf16_portable(xb + m0 * K, K, wp + q * K * PANEL, bp ? bp + q * PANEL : 0, yp + q * PANEL, ldy, rows);
+            }
+    }
+    free(xb);
+    return 0;
+}
