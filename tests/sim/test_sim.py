@@ -178,7 +178,8 @@ def test_vllms_swap_path_costs_lvf_time_that_duplexkv_hides():
     jobs = [sweep.Job(20.0, setup_of("lvf", hbm=300, mode=m)) for m in ("duplex", "vllm")]
     duplex, vllm = sweep.sweep(items, jobs, 5.0, 0.1)
     assert vllm["num_blocks_mirrored"] == 0 < duplex["num_blocks_mirrored"]  # no eager rotation on vLLM's path
-    assert vllm["stall_share"] > 0.05 > duplex["stall_share"]  # the GPU waits for vLLM's copies
+    # the GPU waits for vLLM's copies (gh200's calibrated step, ~70 ms, hides part of them)
+    assert vllm["stall_share"] > 0.02 and vllm["stall_share"] > 10 * duplex["stall_share"]
     assert vllm["tbt_attainment"] < duplex["tbt_attainment"]
 
 
