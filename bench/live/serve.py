@@ -317,7 +317,7 @@ async def read_stream(
             if "error" in event:
                 record.error = f"stream error: {error_message(json.dumps(event))}"
                 return
-            if event.get("choices"):
+            if event.get("choices") and not closes_only(event, num_chunks):
                 if num_chunks == 0:
                     record.ttft_s = now - start
                 else:
@@ -331,6 +331,14 @@ async def read_stream(
                 if isinstance(details := usage.get("prompt_tokens_details"), dict):
                     record.cached_tokens = details.get("cached_tokens")
     record.error = "stream ended without [DONE]"
+
+
+def closes_only(event: dict, num_chunks: int) -> bool:
+    """A chunk after the first token with no text that only carries a `finish_reason` (as
+    llama.cpp's server ends a stream): no token, so no gap is counted for it."""
+    choice = event["choices"][0]
+    text = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content")
+    return num_chunks > 0 and not text and choice.get("finish_reason") is not None
 
 
 def parse_sse_line(line: bytes):

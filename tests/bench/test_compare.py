@@ -8,6 +8,7 @@ import argparse
 import json
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -293,3 +294,28 @@ def test_pressure_rows_for_two_of_our_policies(tmp_path, capsys):
     assert all(len(row) == 14 and row[-1] == "2 / 0 |" for row in rows)
     assert all(row[12] == "n/a" for row in rows[::2]) and all(row[12].endswith("%") for row in rows[1::2])
     assert all(row[8].replace(",", "").isdigit() for row in rows)  # preemptions
+
+
+@pytest.mark.timeout(120)
+def test_llama_server_shaped_peer(tmp_path):
+    """A peer that streams as llama.cpp's `llama-server` does (503 while loading, a text-less
+    chunk carrying only the finish reason, usage in a chunk of its own; the stand-in script
+    beside this test): a token per chunk, its usage counts, its group stopped."""
+    port = free_port()
+    standin = f"{sys.executable} {Path(__file__).with_name('llama_server_standin.py')} {port} --load-s 1"
+    args = parse_args(
+        "--target", f"llama.cpp=http://127.0.0.1:{port},,{standin}", "--workloads", "probe",
+        "--streams", "1,2", "--rounds", "1", "--prompt-len", "16", "--output-len", "5", "--warmup", "0",
+        "--out-dir", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
+    )  # fmt: skip
+    assert compare.run(args) == 0
+    [t] = json.loads(next(tmp_path.glob("compare_*.json")).read_text())["targets"]
+    assert t["error"] is None and t["model"] == "smollm2-q4_1" and t["ready_s"] >= 1
+    for n in (1, 2):
+        level = t["probe"][str(n)]
+        assert (level["completed"], level["failed"]) == (n, 0)
+        assert level["tokens_per_chunk"] == 1.0 and level["output_tokens"] == [5, 5]
+        assert level["prompt_tokens_usage"] == [16, 16]
+        for r in level["requests"]:
+            assert len(r["tbt_s"]) == 4  # 5 tokens: no gap counted for the closing chunk
+    assert t["stopped"]["group_gone"] and not group_members(t["pgid"])
