@@ -129,10 +129,17 @@ def header(st: dict) -> list[str]:
         + (
             f"; {st['cpu_seconds']:.0f} CPU-seconds in {st['jobs']} processes on a machine shared with other work, "
             f"i.e. about {st['cpu_seconds'] / st['jobs']:.0f} s on two idle cores"
-            if "cpu_seconds" in st
+            if st.get("cpu_seconds")
             else ""
         )
-        + "); every "
+        + ")"
+        + (
+            f"; the rows of {', '.join(st['rerun']['policies'])} were then run again with those policies' final code "
+            f"(`--rerun`, {st['rerun']['num_runs']} runs in {st['rerun']['seconds']:.0f} s)"
+            if "rerun" in st
+            else ""
+        )
+        + "; every "
         "number below comes from that run (rows: `bench/results/reproduction.json`, one CSV per figure; plots: "
         "`bench/results/*.png`). Regenerate it rather than edit it.",
         "",

@@ -110,7 +110,7 @@ class Ctx:
         """One row per job: its mean over the seeds, with the spreads (rows.mean_rows), on the
         ShareGPT requests, the `lmsys` mix or the ShareGPT `conversations`. A job run before (the same workload,
         rate and setup in another figure) is not run again."""
-        key = lambda j: repr((workload, j.rate, j.setup))  # noqa: E731
+        key = lambda j: job_key(workload, j)  # noqa: E731
         new = list({key(j): j for j in jobs if key(j) not in self._rows}.values())
         self.num_runs += len(new) * len(self.seeds)
         if new:
@@ -144,6 +144,35 @@ class Ctx:
         self.num_runs += len(setups)
         with ProcessPoolExecutor(max(1, min(self.args.jobs, len(setups)))) as pool:
             return list(pool.map(simulated_records, [items] * len(setups), setups))
+
+
+# What tells one run of the reproduction from another (all share the model, hardware and pools):
+# a row's key is its workload and these fields; a job's, the same fields of its setup.
+ROW_KEY = ("rate", "policy", "transfer_mode", "xfer_budget", "alpha", "beta_f", "beta_b", "admit_watermark",
+           "min_residency_s", "rotary_yields", "slo_chunking", "enable_prefix_caching")  # fmt: skip
+FIGURE_WORKLOADS = {"fig16": "sharegpt", "ablation": "sharegpt", "fig16_lmsys": "lmsys"}  # the others: conversations
+
+
+def row_key(workload: str, row: dict) -> str:
+    return repr((workload, *(row[k] for k in ROW_KEY)))
+
+
+def job_key(workload: str, job: sweep.Job) -> str:
+    cfg = job.setup.cfg
+    fields = {k: getattr(cfg, k) for k in ROW_KEY[3:]}
+    policy = "neo" if job.setup.neo_host_blocks else cfg.policy
+    return row_key(workload, {"rate": job.rate, "policy": policy, "transfer_mode": job.setup.transfer_mode, **fields})
+
+
+def reuse_rows(ctx: Ctx, record: dict, rerun: set[str]) -> None:
+    """Seed `ctx`'s rows with a previous run's (`record`, its rows file), but for the policies
+    in `rerun`: only their jobs then run again."""
+    for fig, rows in record.items():
+        if fig.startswith(("fig", "ablation")) and isinstance(rows, list):
+            wl = FIGURE_WORKLOADS.get(fig, "conversations")
+            for r in rows:
+                if r["policy"] not in rerun:
+                    ctx._rows[row_key(wl, r)] = {k: v for k, v in r.items() if k != "variant"}
 
 
 def simulated_records(items: list, setup: engine.SimSetup) -> list[RequestRecord]:
@@ -251,6 +280,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=HERE / "REPRODUCTION.md")
     p.add_argument("--results", type=Path, default=HERE / "results")
     p.add_argument(
+        "--rerun",
+        type=sweep._strs,
+        default=None,
+        help="run only these policies again, the other rows taken from --results' rows file (after a policy's code changed)",
+    )
+    p.add_argument(
         "--from-rows",
         action="store_true",
         help="run nothing: rewrite --out from the rows in --results (after `bench simlive` recorded a run)",
@@ -264,6 +299,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ctx = Ctx(args)
     out = args.results
+    before = json.loads((out / reproduction.ROWS_FILE).read_text()) if args.rerun else None
+    if before:
+        reuse_rows(ctx, before, set(args.rerun))
     out.mkdir(parents=True, exist_ok=True)
     top, conv_top = max(args.rates), max(CONV_RATES)
     res: dict = {"fig16": fig16(ctx), "fig16_lmsys": fig16(ctx, "lmsys"), "fig16_conv": fig16(ctx, "conversations")}
@@ -275,6 +313,12 @@ def run(args: argparse.Namespace) -> int:
     res["table1"] = table1(ctx)
     record = write_results(res, out)
     record["setting"] = setting_record(ctx, time.perf_counter() - t0)
+    if before:  # the whole run's figures stay the first run's; the rerun is told apart
+        st = before["setting"]
+        rerun = {"policies": args.rerun, "seconds": record["setting"]["seconds"], "num_runs": ctx.num_runs}
+        for k in ("seconds", "cpu_seconds", "num_runs", "jobs"):
+            record["setting"][k] = st.get(k)
+        record["setting"]["rerun"] = rerun
     (out / reproduction.ROWS_FILE).write_text(json.dumps(record, indent=1))
     args.out.write_text(reproduction.render_results(out))
     print(f"wrote {args.out} and {out}/ in {time.perf_counter() - t0:.0f} s ({ctx.num_runs} runs)", file=sys.stderr)
@@ -366,8 +410,9 @@ def write_results(res: dict, out: Path) -> dict[str, list[dict]]:
     """One CSV per figure and the plots; returns the rows by figure, as the rows file keeps them."""
     figs = {k: v for k, v in res.items() if k.startswith(("fig", "ablation")) or k == "table1"}
     figs.update({f"fig_{k}": v for k, v in res["knobs"].items()})
-    for key, rows in figs.items():
-        sweep.write_outputs(rows, None, out / f"{key}.csv", {})
+    for key, rows in figs.items():  # rows of a --rerun may have fields the reused ones lack: one header for all
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        sweep.write_outputs([{k: r.get(k) for k in columns} for r in rows], None, out / f"{key}.csv", {})
     plots.plot_attainment(res["fig16"], out, "Qwen2.5-32B on gh200 (calibrated), ShareGPT", "fig16")
     plots.plot_attainment(res["fig16_conv"], out, "Qwen2.5-32B on gh200 (calibrated), conversations", "fig16_conv")
     plots.plot_attainment(res["fig17"], out, "ablation", "fig17")
