@@ -32,11 +32,11 @@ def test_a_claim_holds_for_the_papers_lvf_or_only_with_our_additions():
     assert not ok[("ttft", "w", "lvf-paper")] and ok[("ttft", "w", "lvf")]  # +5 points is not a lead; +45 is
     assert any("largest lead +45.0 (spread 0.0) over" in line and "| 8 req/s" in line or "at 8 req/s" in line for line in table)
     text = "\n".join(discussion.verdicts(ok, ["w"]))
-    assert "on w: **holds only with our additions**" in text
+    assert "on w **holds only with our additions**" in text
     _, ok = discussion.claim_rows({"w": (rows_where(0.95, 0.95), "req/s")})
-    assert "on w: **holds**" in "\n".join(discussion.verdicts(ok, ["w"])).split("\n")[0]
+    assert "on w **holds**" in "\n".join(discussion.verdicts(ok, ["w"])).split("\n")[0]
     _, ok = discussion.claim_rows({"w": (rows_where(0.5, 0.5), "req/s")})
-    assert "on w: **does not hold**" in "\n".join(discussion.verdicts(ok, ["w"])).split("\n")[0]
+    assert "on w **does not hold**" in "\n".join(discussion.verdicts(ok, ["w"])).split("\n")[0]
 
 
 def test_ltr_claim_needs_the_best_ttft_and_a_severe_tbt_cost():
