@@ -70,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hbm-blocks", type=int, default=256)
     p.add_argument("--dram-gb", type=float, default=0.25)
     p.add_argument("--max-waiting", type=int, default=16)
+    p.add_argument("--dtype", default=None, help="the worker's --dtype (default: its own)")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="s for the server to get ready (a busy host)")
     p.add_argument("--json", type=Path, default=None, help="default bench/results/chaos_<setup>.json")
@@ -201,7 +202,9 @@ def recovery_s(fault: Fault, records: list[RequestRecord], stall_s: float) -> fl
 def tally(items, records, texts, reference, pool_index, faults, stall_s) -> dict:
     kinds = [classify(r) for r in records]
     completed = [i for i, k in enumerate(kinds) if k == "completed"]
-    identical = sum(texts[i] == reference[pool_index[i]] for i in completed)
+    differ = [i for i in completed if texts[i] != reference[pool_index[i]]]
+    mismatches = [{"request": i, "prompt": pool_index[i], "start_s": round(records[i].start_s, 2),
+                   "text": texts[i], "reference": reference[pool_index[i]]} for i in differ]  # fmt: skip
     recov = {f"{f.kind}@{f.start_s:.0f}s": recovery_s(f, records, stall_s) for f in faults}
     values = [v for v in recov.values() if v is not None]
     return {
@@ -210,7 +213,8 @@ def tally(items, records, texts, reference, pool_index, faults, stall_s) -> dict
         "refused": kinds.count("refused"),
         "completed": len(completed),
         "failed": kinds.count("failed"),
-        "identical": identical,
+        "identical": len(completed) - len(differ),
+        "mismatches": mismatches,
         "failures": dict(Counter(reason(r) for r, k in zip(records, kinds) if k == "failed").most_common()),
         "refusals": dict(Counter(reason(r) for r, k in zip(records, kinds) if k == "refused").most_common()),
         "faults_by_kind": dict(Counter(f.kind for f in faults)),
@@ -293,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"server logs: {log_dir}", file=sys.stderr)
     worker = ["--hbm-blocks", str(args.hbm_blocks), "--dram-gb", str(args.dram_gb), "--kv-prefault"]
+    worker += ["--dtype", args.dtype] if args.dtype else []
     sched = ["--max-waiting", str(args.max_waiting)]
 
     server.STARTUP_TIMEOUT_S = args.startup_timeout
