@@ -295,6 +295,25 @@ def host_attention_time(hw: Hardware, model: ModelShape, num_kv_tokens: int) -> 
     return num_kv_tokens * model.kv_token_bytes(hw.dtype_bytes) / (hw.link.dram_gbs * GB * hw.hbm_efficiency)
 
 
+def neo_applicable(model: ModelShape) -> bool:
+    """Whether NEO runs `model`: its engine (swiftLLM) has dense Llama-style models only, no
+    MoE, so a reproduction has no NEO row for an MoE model."""
+    return model.num_experts == 1
+
+
+def neo_host_share(num_used: int, num_hbm_blocks: int) -> float:
+    """The share of NEO's live KV that lies in host DRAM: what does not fit in HBM."""
+    return max(0, num_used - num_hbm_blocks) / max(num_used, 1)
+
+
+def neo_prompt_copy_blocks(num_prefill_tokens: int, host_share: float, block_size: int) -> int:
+    """KV blocks a NEO step copies device -> host for the prompts it prefilled: NEO prefills
+    every prompt on the GPU, and a request it decodes on the CPU has its prompt's KV copied
+    to host memory (its `pref_to_cpu` requests). Their share of the step's prefill tokens
+    is taken as the host's share of the KV."""
+    return -(-round(num_prefill_tokens * host_share) // block_size)
+
+
 def neo_host_blocks(hw: Hardware, model: ModelShape, num_hbm_blocks: int, block_size: int) -> int:
     """The KV blocks NEO keeps in host DRAM, as its load-aware scheduling sizes them: as many as
     the CPU's attention reads in the time the GPU's decode step takes with HBM full of KV (so

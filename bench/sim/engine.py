@@ -56,11 +56,15 @@ from bench.sim.costmodel import (
     StepWork,
     compute_time,
     host_attention_time,
+    neo_applicable,
     neo_host_blocks,
+    neo_host_share,
+    neo_prompt_copy_blocks,
     num_kv_blocks,
     transfer_time,
 )
 from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
+from services.scheduler.core.baselines import CLIENT_SENDS_OUTPUT_LEN
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
 from shared.config import default_pipeline_depth
@@ -221,10 +225,19 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         check()
         work, sampled = plan_work(plan, items, num_samples)
         compute_s = compute_time(hw, model, work)
+        num_neo_out = 0
         if setup.neo_host_blocks:
-            compute_s = neo_compute_time(setup, work, num_kv - core.memory.hbm.num_free)
+            num_used = num_kv - core.memory.hbm.num_free
+            compute_s = neo_compute_time(setup, work, num_used)
+            share = neo_host_share(num_used, setup.num_hbm_blocks)
+            num_neo_out = neo_prompt_copy_blocks(work.num_prefill_tokens, share, cfg.block_size)
         x = transfer_time(
-            hw, model, setup.transfer_mode, len(plan.swap_in), len(plan.swap_out) + len(plan.eager), cfg.block_size
+            hw,
+            model,
+            setup.transfer_mode,
+            len(plan.swap_in),
+            len(plan.swap_out) + len(plan.eager) + num_neo_out,
+            cfg.block_size,
         )
         busy = driver.in_flight[-1] if driver.in_flight else None
         prev_end = busy.end if busy is not None else step.now
@@ -390,6 +403,10 @@ def make_setup(
 ) -> SimSetup:
     """`neo`: NEO's offloading on `cfg`'s policy (vLLM V1's in the reproduction): the KV pool
     grows by the host blocks NEO's CPU attention can serve."""
+    if neo and not neo_applicable(model):
+        raise ValueError(f"NEO does not run MoE models ({model.name})")
+    if cfg.policy in CLIENT_SENDS_OUTPUT_LEN:
+        max_tokens = 0  # benchmark clients send each request's output length as max_tokens
     num_hbm, num_dram = num_kv_blocks(hw, model, cfg.block_size)
     dram = num_dram if dram is None else dram
     cfg = cfg.for_device(on_cpu=not hw.pipeline)  # a profile without the pipeline is a CPU's

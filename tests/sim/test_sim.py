@@ -94,8 +94,8 @@ def test_invariants_hold_after_every_step_under_memory_pressure(policy):
     items = items_of(60, rate=30.0, seed=1)
     run = engine.simulate(items, setup_of(policy, hbm=80, dram=60, check=True, xfer_budget=64))
     assert run.stats["num_finished"] == len(items)
-    if policy == "trtllm":
-        assert run.stats["num_preemptions"] == 0  # guaranteed no eviction
+    if policy in ("trtllm", "lightllm"):
+        assert run.stats["num_preemptions"] == 0  # guaranteed no eviction; LightLLM's safe schedule
     else:
         assert run.stats["num_preemptions"] > 0
     if policy in SWAPPING:

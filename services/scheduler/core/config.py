@@ -8,10 +8,10 @@ from shared.config import DEFAULT_BLOCK_SIZE, default_mirror_watermark, default_
 
 DEFAULT_XFER_BUDGET = 2400  # blocks: the paper's B_xfer on GH200
 XFER_SHARE = 0.5  # of the TBT SLO a step's copies may take, where B_xfer comes from the measured bandwidth
-POLICIES = ("lvf", "lvf-paper", "fcfs", "sf", "wf", "trtllm", "lightllm", "ltr", "edf")
+POLICIES = ("lvf", "lvf-paper", "fcfs", "sf", "wf", "trtllm", "trtllm-maxutil", "lightllm", "ltr", "edf")
 LVF_POLICIES = ("lvf", "lvf-paper")  # lvf-paper: LVF as the paper defines it, our guards off
-SWAPPING = ("lvf", "lvf-paper", "sf", "wf")
-LVF_WATERMARK = 0.25  # lvf's admit_watermark (lvf.py); the other policies' is 0  # the others preempt by recompute (trtllm never preempts)
+SWAPPING = ("lvf", "lvf-paper", "sf", "wf", "ltr")  # the others preempt by recompute (trtllm never preempts)
+LVF_WATERMARK = 0.25  # lvf's admit_watermark (lvf.py); the other policies' is 0
 
 
 def _flag(default, help: str, **argparse_kw):
@@ -43,9 +43,10 @@ class SchedulerConfig:
         "defines it (min_residency_s 0, admit_watermark 0, rotary_yields and slo_chunking off, whatever "
         "their flags say); fcfs: FCFS with recompute preemption; "
         "sf: swapped-first with swap preemption; wf: waiting-first with swap preemption; baselines "
-        "(baselines.py, recompute preemption): trtllm: admit only with room for prompt + max_tokens, "
-        "never preempt; lightllm: admit while the predicted peak KV fits; ltr: shortest predicted "
-        "output first; edf: earliest deadline first",
+        "(baselines.py): trtllm: TensorRT-LLM's GUARANTEED_NO_EVICT, admit only with room for prompt + "
+        "max_tokens, never preempt; trtllm-maxutil: its MAX_UTILIZATION, an older request pauses newer "
+        "ones (recompute); lightllm: admit while the predicted peak KV fits; ltr: shortest predicted "
+        "output first (ltr.py, swap preemption); edf: earliest deadline first",
         choices=POLICIES,
     )
     ttft_slo: float = _flag(5.0, "TTFT SLO S_F in seconds (default %(default)s)")
