@@ -1,7 +1,8 @@
 """`superinfer bench quant`: what each weight precision costs in accuracy and what it buys in speed.
 
-For every precision the worker serves on CPU (`--dtype`: float32, bfloat16, the GGUF's own
-quantization kept packed, and q8_0 / q4_0 / q4_1 quantized at load), the same model file:
+For every precision the worker serves on CPU (`--dtype`: float32, bfloat16 -- bfloat16 matrices
+on AVX512-BF16 --, the GGUF's own quantization kept packed, and q8_0 / q4_0 / q4_1 quantized at
+load), the same model file:
 
 - greedy agreement with float32: `--prompts` chat prompts (the first human turns of ShareGPT
   conversations, chat-templated, cut at `--prompt-tokens`), `--tokens` greedy tokens each,
@@ -46,8 +47,10 @@ BLOCK = 16
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF or HF folder (default: the bundled model)")
-    p.add_argument("--precisions", default="float32,bfloat16,gguf,q8_0,q4_0,q4_1",
-                   help="comma-separated; gguf = the file's own quantization, kept packed")  # fmt: skip
+    p.add_argument("--precisions", default="float32,bf16,gguf,q8_0,q4_0,q4_1",
+                   help="comma-separated: float32; bf16 (bfloat16 matrices, float32 activations: what --dtype "
+                   "bfloat16 serves on AVX512-BF16); bfloat16 (the whole model, torch ops); gguf (the file's "
+                   "own quantization, kept packed); q8_0, q4_0, q4_1 (quantized at load)")  # fmt: skip
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompts cut to at most this many tokens")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")

@@ -7,7 +7,8 @@ scale (and, for Q4_1, a float16 minimum) and 32 quantized values. `pack` rewrite
 kernel's panels of 16 output columns (layout in the csrc file); `linear` multiplies. The
 activations are quantized to int8 per row and block of 32 inside the kernel, as llama.cpp's
 quantized dot products do, so a product differs from the dequantize-then-matmul reference by
-that rounding (~0.5% of the output's scale).
+that rounding (~0.5% of the output's scale); `set_float_rows` sends steps of a few rows through
+a float32 path instead (weights dequantized in registers, activations unrounded).
 """
 
 from __future__ import annotations
@@ -141,6 +142,13 @@ def _kernel(bits: int):
 def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) . W^T (+ bias) -> [M, N] float32."""
     return cpu_kernels._linear(_kernel(_BITS[packed.kind]), x, packed.data, packed.num_out, bias)
+
+
+def set_float_rows(rows: int) -> int:
+    """Steps of at most `rows` rows (up to 4) multiply with the weights dequantized to float32 in
+    registers and the activations as they are (AVX512-VBMI), instead of int8 dot products;
+    returns the limit in force (0 where the CPU lacks VBMI)."""
+    return int(cpu_kernels.kernels().lib.quant_matmul_dequant_rows(int(rows)))
 
 
 def use_portable(on: bool) -> bool:

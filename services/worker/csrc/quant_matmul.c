@@ -30,8 +30,10 @@
 #include "kernels.h"
 
 #define QTILE 8 /* rows per work item: 8 float accumulators + the block's 8 weight vectors in registers */
+#define DEQ_ROWS 4 /* most rows of the float32 path */
 
 static int force_portable = 0;
+static int dequant_rows = 0; /* steps of at most this many rows take the float32 path (0: never) */
 
 /* Bytes per panel and block. */
 static inline int64_t qbytes(int bits) { return (bits == 4 ? 256 : 512) + 64; }
@@ -105,7 +107,7 @@ static void panel_portable(const int8_t *xq, const float *dx, const float *sx, i
 
 #if defined(__x86_64__)
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma")
 #include <immintrin.h>
 
 /* M rows (a compile-time constant <= QTILE) of one panel. */
@@ -160,6 +162,58 @@ static inline __attribute__((always_inline)) void panel_vnni(const int8_t *xq, c
     for (int r = 0; r < M; r++) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
+/* The other way for a few rows: the weights dequantized to float32 in registers (w = d q + m,
+ * one vector of 16 columns per input) and multiplied by the float32 activations, which are not
+ * rounded. vpermb (AVX512-VBMI) regroups a 64-byte vector's bytes input by input. */
+static const uint8_t DEQ_PERM[64] __attribute__((aligned(64))) = {
+    0, 4, 8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9,  13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61,
+    2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63};
+
+#define DEQ_INPUT(r)                                                                                      \
+    do {                                                                                                  \
+        const __m512 wv = _mm512_fmadd_ps(                                                                \
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(g, r))), d, m);             \
+        for (int i = 0; i < M; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k0 + r]), wv, acc[i]); \
+    } while (0)
+
+static inline __attribute__((always_inline)) void panel_deq(const float *x, int64_t ldx, int64_t K, const uint8_t *w,
+                                                           const int bits, const float *bias, float *y, int64_t ldy,
+                                                           const int M) {
+    const int64_t nb = K / QBLOCK, bb = qbytes(bits), scales = bb - 64;
+    const __m512i low = _mm512_set1_epi8(0x0f), perm = _mm512_load_si512(DEQ_PERM);
+    __m512 acc[DEQ_ROWS];
+    const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    for (int i = 0; i < M; i++) acc[i] = b0;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * bb;
+        _mm_prefetch((const char *)(wb + 4 * bb), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 4 * bb + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wb + 4 * bb + 256), _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + scales)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + scales + 32)));
+        for (int v = 0; v < 8; v++) {
+            /* vector v: 4 bits, v < 4 the low nibbles of vector v, else the high ones of v - 4 */
+            const __m512i raw = _mm512_loadu_si512(wb + 64 * (bits == 4 ? v % 4 : v));
+            const __m512i q = bits == 8 ? raw : v < 4 ? _mm512_and_si512(raw, low) : _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            const __m512i g = _mm512_permutexvar_epi8(perm, q);
+            const int64_t k0 = b * QBLOCK + 4 * v;
+            DEQ_INPUT(0);
+            DEQ_INPUT(1);
+            DEQ_INPUT(2);
+            DEQ_INPUT(3);
+        }
+    }
+    for (int i = 0; i < M; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
+static void panel_deq_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int bits, const float *bias,
+                           float *y, int64_t ldy, int64_t M) {
+#define DCASE(rows) \
+    case rows: if (bits == 4) panel_deq(x, ldx, K, w, 4, bias, y, ldy, rows); else panel_deq(x, ldx, K, w, 8, bias, y, ldy, rows); break;
+    switch (M) { DCASE(1) DCASE(2) DCASE(3) DCASE(4) }
+#undef DCASE
+}
+
 #define QCASE(rows)                                                                 \
     case rows:                                                                      \
         if (bits == 4) panel_vnni(xq, dx, sx, K, w, 4, bias, y, ldy, rows);         \
@@ -177,8 +231,15 @@ static int have_vnni(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vnni");
 }
+static int have_vbmi(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vbmi");
+}
 #else
 static int have_vnni(void) { return 0; }
+static int have_vbmi(void) { return 0; }
+static void panel_deq_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int bits, const float *bias,
+                           float *y, int64_t ldy, int64_t M) {}
 static void panel_vnni_rows(const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *w,
                             int bits, const float *bias, float *y, int64_t ldy, int64_t M) {
     panel_portable(xq, dx, sx, K, w, bits, bias, y, ldy, M);
@@ -191,12 +252,26 @@ int quant_matmul_path(int portable) {
     return !force_portable && have_vnni();
 }
 
+/* Steps of at most `rows` rows (<= DEQ_ROWS) take the float32 path where the CPU has AVX512-VBMI;
+ * returns the limit in force (0: none). */
+int quant_matmul_dequant_rows(int rows) {
+    dequant_rows = rows < 0 ? 0 : rows > DEQ_ROWS ? DEQ_ROWS : rows;
+    if (!have_vbmi()) dequant_rows = 0;
+    return dequant_rows;
+}
+
 /* x: [M, K] rows ldx apart; w: packed, [N / 16][K / 32][qbytes]; bias: [N] or NULL; y: [M, N]
  * rows ldy apart. N % 16 == K % 32 == 0. Returns -1 (y untouched) without memory for xq. */
 static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K, int num_threads, int bits) {
     if (M <= 0) return 0;
     const int64_t nb = K / QBLOCK, num_panels = N / 16, pb = nb * qbytes(bits);
+    if (M <= dequant_rows && !force_portable) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t p = 0; p < num_panels; p++)
+            panel_deq_rows(x, ldx, K, w + p * pb, bits, bias ? bias + p * 16 : 0, y + p * 16, ldy, M);
+        return 0;
+    }
     int8_t *xq = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
     float *dx = malloc(sizeof(float) * 2 * M * nb);
     if (!xq || !dx) {
