@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.report import simlive
+from bench.report import baselines_table, simlive
 from bench.report.discussion import LEAD, SEVERE, TBT_TIE, ablation_summary, claim_rows, pressure_arithmetic, verdicts
 from bench.report.rows import BASELINES, LVFS, PAPER_STEP, PAPER_TABLE1, at, name
 from bench.report.tables import attainment_table, detail_table, flat, policy_label
@@ -46,31 +46,6 @@ def conversations_setting(st: dict) -> str:
     )
 
 
-BASELINE_NOTES = {
-    "fcfs": "vLLM V1's scheduler: running requests first, then waiting ones in arrival order; a request short of "
-    "blocks preempts the newest arrival and its KV is recomputed; a step that preempted admits nobody.",
-    "trtllm": "TensorRT-LLM's guaranteed-no-evict: admitted in arrival order only if HBM holds prompt + max_tokens "
-    "on top of every running request's same reservation (max_tokens is the client's cap, not the true length); "
-    "never preempts.",
-    "lightllm": "LightLLM's router: admitted in arrival order while the predicted peak KV of the running set with it "
-    "fits; outputs estimated as the mean output of the requests finished so far (the cap before any), at least "
-    "the tokens generated + 1; a wrong estimate runs out of blocks and recomputes the newest arrival.",
-    "ltr": "learning to rank: shortest predicted output first (the true length times a log-normal error, sigma "
-    "{noise:g}, drawn per request); a request paused longer than the TTFT SLO since its last token goes first; a "
-    "paused request that does not fit preempts (recompute) running ones ranked after it that have sampled since "
-    "they started.",
-    "edf": "earliest deadline first (our extra baseline): TTFT deadline until the first token, then the next "
-    "token's; running requests in deadline order, the latest preempted (recompute) when blocks run out; paused "
-    "requests admitted in deadline order while they fit.",
-    "sf": "swapped-first (vLLM V0's order): preempted requests swap to DRAM and come back before any waiting one.",
-    "wf": "waiting-first: the same swap preemption, waiting requests admitted before swapped ones.",
-    "neo": "NEO's CPU offloading on vLLM V1's scheduling (our `fcfs`), as a cost-model term: the KV-cache grows by "
-    "{neo} blocks in host DRAM, as many as the Grace CPU's decode attention reads (DRAM bandwidth at the GPU's "
-    "memory-bound efficiency) in the time the GPU's decode step takes with HBM full of KV; KV beyond HBM lies on the "
-    "host, and its share of each step's decode attention runs on the CPU beside the GPU's work, the step taking the "
-    "longer of the two (NEO's asymmetric pipeline, its overlap taken as perfect; the copy of a prompt's KV to the "
-    "host is not charged).",
-}
 
 
 def render_results(results: Path) -> str:
@@ -241,21 +216,20 @@ def ablation_section(res: dict) -> list[str]:
 
 
 def baselines_section(res: dict) -> list[str]:
+    """The baselines as the real systems run them, each checked against the real project's code
+    (bench/report/baselines_table.py)."""
     st = res["setting"]
-    neo = next((r["neo_host_blocks"] for r in res["fig16"] if r["policy"] == "neo"), 0)
+    present = tuple(dict.fromkeys(r["policy"] for r in res["fig16"] if r["policy"] in BASELINES))
     return [
-        "## The baselines",
+        "## The baselines, as the real systems run them",
         "",
-        "Each is a policy on the same scheduler core (`services/scheduler/core/baselines.py`, `fcfs.py`): the "
-        "systems' admission and preemption rules on our engine and block pools. Requests ask `max_tokens` = "
-        f"{st['max_tokens']} (a chat client's cap) and end at their true length with a stop token.",
+        "Each is a policy on the same scheduler core (`services/scheduler/core/baselines.py`, `ltr.py`, `fcfs.py`) "
+        "and cost model (NEO's host attention and copies, `bench/sim/costmodel.py`): the systems' admission and "
+        "preemption rules, read from their code at the commit named, on our engine and block pools. Requests end at "
+        f"their true length with a stop token; the clients' `max_tokens` is {st['max_tokens']} (a chat client's cap) "
+        "except where the table says a benchmark client sends each request's own output length.",
         "",
-        *[
-            f"- **{name(p)}**{' (our `fcfs`)' if p == 'fcfs' else ''}: "
-            + BASELINE_NOTES[p].format(noise=st.get("predictor_noise", 1.0), neo=neo)
-            for p in BASELINES
-            if p in BASELINE_NOTES
-        ],
+        baselines_table.markdown(present).rstrip("\n"),
         "",
     ]
 
