@@ -120,18 +120,25 @@ _WIDTHS = (7, 8, 8, 8, 10, 9, 6, 6, 5, 4, 4)
 
 
 def table(rows: list[p.RequestRow], width: int | None = None) -> list[str]:
-    """Header + one line per row; the id column takes what `width` leaves (all of it if None)."""
-    rest = sum(_WIDTHS) + len(_WIDTHS)
+    """Header + one line per row; the id column takes what `width` leaves (all of it if None).
+    A TIER column after CACHED (of those, the tokens loaded from the DRAM tier) when any has some."""
+    tier = any(r.num_dram_cached_tokens for r in rows)
+    columns, widths = _COLUMNS, _WIDTHS
+    if tier:
+        at = _COLUMNS.index("CACHED") + 1
+        columns, widths = (*_COLUMNS[:at], "TIER", *_COLUMNS[at:]), (*_WIDTHS[:at], 6, *_WIDTHS[at:])
+    rest = sum(widths) + len(widths)
     longest = max((len(r.request_id) for r in rows), default=2)
     id_width = max(8, min(longest, (width or 1 << 30) - rest - 1))
     line = lambda first, cells: f"{first[:id_width]:<{id_width}} " + " ".join(  # noqa: E731
-        f"{c:>{w}}" for c, w in zip(cells, _WIDTHS)
+        f"{c:>{w}}" for c, w in zip(cells, widths)
     )
-    out = [line("ID", _COLUMNS)]
+    out = [line("ID", columns)]
     for r in rows:
         cells = (
             r.state, secs(r.vlt), secs(r.age_s), secs(r.since_last_token_s), secs(r.ttft_slack_s),
-            secs(r.tbt_slack_s), str(r.num_prompt_tokens), str(r.num_cached_tokens), str(r.num_output_tokens),
+            secs(r.tbt_slack_s), str(r.num_prompt_tokens), str(r.num_cached_tokens),
+            *([str(r.num_dram_cached_tokens)] if tier else []), str(r.num_output_tokens),
             str(r.num_hbm_blocks), str(r.num_dram_blocks),
         )
         out.append(line(r.request_id, cells))
@@ -143,6 +150,12 @@ def summary(s: p.StatsReply) -> list[str]:
     st, w = s.stats, s.window
     used = lambda total, free: f"{total - free}/{total} ({pct(1 - free / total if total else None)})"  # noqa: E731
     gbps = "n/a" if w.transfer_bytes_per_s is None else f"{w.transfer_bytes_per_s / 1e9:.2f} GB/s"
+    tier = (
+        f"  dram tier {st.num_cached_dram_blocks}/{st.num_tier_blocks} blocks"
+        f" ({pct(st.num_cached_dram_blocks / st.num_tier_blocks)}), hits {st.num_tier_hits}/{st.num_tier_queries} tokens"
+        if st.num_tier_blocks
+        else ""
+    )
     return [
         f"scheduler {st.scheduler_id}  model {st.model_name or '-'}  policy {s.policy}  up {secs(s.uptime_s)}"
         + ("  DRAINING" if s.draining else "")
@@ -150,7 +163,7 @@ def summary(s: p.StatsReply) -> list[str]:
         f"requests   running {st.num_running}  waiting {st.num_waiting}  rotary {st.num_rotary}"
         f"  finished {s.num_finished}  aborted {s.num_aborted}",
         f"kv blocks  hbm {used(st.num_hbm_blocks, st.num_free_hbm_blocks)}"
-        f"  dram {used(st.num_dram_blocks, st.num_free_dram_blocks)}",
+        f"  dram {used(st.num_dram_blocks, st.num_free_dram_blocks)}" + tier,
         f"totals     steps {s.num_steps}  preemptions {st.num_preemptions} (recompute {st.num_recomputes})"
         f"  rotations out {st.num_rotations_out} in {st.num_rotations_in}"
         f"  blocks in {st.num_blocks_swapped_in} out {st.num_blocks_swapped_out} mirrored {st.num_blocks_mirrored}",

@@ -39,6 +39,7 @@ BENCHMARKS = {
     "calibrate": ("bench.sim.calibrate", "measure this machine's worker and write the `cpu` profile"),
     "simlive": ("bench.sim.simlive", "the simulator vs the live server on one ShareGPT trace, calibrated in the same run"),
     "reproduce": ("bench.sim.reproduce", "regenerate bench/REPRODUCTION.md from simulator runs"),
+    "tier": ("bench.sim.tier", "the DRAM prefix-cache tier in the simulator: LVF + tier vs vLLM V1 + host tier"),
     "summary": ("bench.report.summary", "copy a run's figures into bench/summary.json and render docs/results.md"),
 }
 

@@ -63,6 +63,7 @@ from bench.sim.costmodel import (
     num_kv_blocks,
     transfer_time,
 )
+from bench.sim.costmodel import GB, direction_rate
 from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
 from services.scheduler.core.baselines import CLIENT_SENDS_OUTPUT_LEN
 from services.scheduler.core.step import Step
@@ -73,6 +74,7 @@ from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, StepTi
 TOKEN = 1  # the id every synthesized sample carries but a request's last
 STOP = 2  # a request's last sample when it asks for more than its true output (`SimSetup.max_tokens`)
 SYSTEM = -1  # the first id of shared system prompt k is SYSTEM - k
+DECISION_COPY_BLOCKS = 64  # the copy size (blocks) whose rate the core's tier decisions assume
 
 
 # ---------------------------------------------------------------- the clock
@@ -410,6 +412,11 @@ def make_setup(
     num_hbm, num_dram = num_kv_blocks(hw, model, cfg.block_size)
     dram = num_dram if dram is None else dram
     cfg = cfg.for_device(on_cpu=not hw.pipeline)  # a profile without the pipeline is a CPU's
+    # What the live worker reports: a block's bytes and the DRAM->HBM copy rate (the DRAM tier's
+    # load-or-recompute decision prices copies by it).
+    block_bytes = model.kv_block_bytes(cfg.block_size, hw.dtype_bytes)
+    rate = direction_rate(hw, model, mode, DECISION_COPY_BLOCKS, cfg.block_size) / GB
+    cfg = replace(cfg, block_bytes=cfg.block_bytes or block_bytes, copy_gbps=cfg.copy_gbps or rate)
     if mode == "vllm":  # vLLM's swap path copies a request's KV when it is preempted, never ahead
         cfg = replace(cfg, eager_rotation=False)
     hbm = hbm or num_hbm

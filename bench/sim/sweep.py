@@ -72,6 +72,8 @@ def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: 
         **{k: st[k] for k in ("num_preemptions", "num_recomputes", "num_rotations_out", "num_rotations_in")},
         **{k: st[k] for k in ("num_blocks_swapped_in", "num_blocks_swapped_out", "num_blocks_mirrored", "num_steps")},
         **{k: st[k] for k in ("num_blocks_reused_at_swap_in", "num_dram_blocks_shared")},
+        "kv_offloading_size": cfg.kv_offloading_size,
+        **{k: st.get(k, 0) for k in ("num_tier_hits", "num_tier_queries", "num_tier_blocks_loaded", "num_blocks_offloaded")},
         "num_hbm_blocks": setup.num_hbm_blocks,
         "num_dram_blocks": setup.num_dram_blocks,
         "neo_host_blocks": setup.neo_host_blocks,

@@ -212,6 +212,7 @@ def request_row(req: Request, tl: Timeline | None, cfg: SchedulerConfig, now: fl
         num_dram_blocks=len(req.dram_blocks),
         times=tl.attribution(now) if tl else p.Attribution(),
         num_cached_tokens=req.num_cached_tokens,
+        num_dram_cached_tokens=req.num_dram_cached_tokens,
     )
 
 

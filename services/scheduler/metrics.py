@@ -247,6 +247,15 @@ class _Snapshot:
         yield counter("superinfer:scheduler_steps", "Plans built", v["num_steps"])
         yield counter("superinfer:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", v["num_prefix_queries"])
         yield counter("superinfer:prefix_cache_hits", "Prompt tokens found in the prefix cache", v["num_prefix_hits"])
+        # The DRAM tier, vLLM's names for the hits its KV connector (CPU offloading) finds.
+        yield counter(
+            "superinfer:external_prefix_cache_queries", "Prompt tokens looked up in the DRAM tier", v["num_tier_queries"]
+        )
+        yield counter(
+            "superinfer:external_prefix_cache_hits", "Prompt tokens loaded from the DRAM tier", v["num_tier_hits"]
+        )
+        yield gauge("superinfer:kv_tier_blocks", "DRAM blocks the prefix-cache tier may keep", v["num_tier_blocks"])
+        yield gauge("superinfer:kv_tier_cached_blocks", "DRAM blocks the tier keeps now", v["num_cached_dram_blocks"])
         rot = CounterMetricFamily("superinfer:rotations", "Requests rotated between tiers", labels=["direction"])
         rot.add_metric(["out"], v["num_rotations_out"])
         rot.add_metric(["in"], v["num_rotations_in"])

@@ -3,7 +3,6 @@ re-created on the next worker, and the link that does it (see the scheduler serv
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 import time
@@ -55,6 +54,15 @@ def out_of_vocab(req: p.AddRequest, vocab_size: int) -> str | None:
         if not 0 <= t < vocab_size:
             return f"token id {t} is outside the model's vocabulary (0..{vocab_size - 1})"
     return None
+
+
+def send_now(sock: zmq.asyncio.Socket, data: bytes) -> bool:
+    """Send without waiting; False when no peer is connected (or its queue is full). An
+    asyncio socket reports that in the future it returns, not by raising."""
+    exc = sock.send(data, flags=zmq.NOBLOCK).exception()
+    if exc is not None and not isinstance(exc, zmq.Again):
+        raise exc
+    return exc is None
 
 
 @dataclass(slots=True)
@@ -120,6 +128,7 @@ class WorkerLink:
         on_cpu = ready.device.startswith("cpu")
         # The worker owns the KV layout, so its block size wins.
         cfg = dataclasses.replace(self.cfg, block_size=ready.block_size).for_device(on_cpu)
+        cfg = cfg.for_worker(ready.block_bytes, ready.copy_gbps)  # the DRAM tier's copy costs, B_xfer
         core = SchedulerCore(cfg, ready.num_hbm_blocks, ready.num_dram_blocks, ready.max_model_len, ready.model_name)
         depth = self.pipeline_depth or config.default_pipeline_depth(on_cpu=on_cpu)
         self.driver = Driver(core, send, depth, time.perf_counter)
@@ -159,5 +168,4 @@ class WorkerLink:
         self.log.error("worker lost; holding live requests for the next worker", reason=reason,
                        num_held=len(resumed), reset=reset)  # fmt: skip
         if reset:
-            with contextlib.suppress(zmq.Again):  # no worker connected: the next one starts afresh
-                self.sock.send(p.encode(p.ResetWorker(reason)), flags=zmq.NOBLOCK)
+            send_now(self.sock, p.encode(p.ResetWorker(reason)))  # none connected: the next starts afresh

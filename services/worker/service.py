@@ -42,7 +42,7 @@ from services.worker.faults import refusal as fault_refusal
 from services.worker.grammar import GrammarCompiler
 from services.worker.runner import ModelRunner, load_model
 from services.worker.tp import TPGroup
-from services.worker.transfer import TransferEngine
+from services.worker.transfer import TransferEngine, measure_copy_gbps
 from services.worker.weights import gguf_quantization
 from shared import config, protocol as p, zmqsec
 from shared.log import setup_logging
@@ -228,6 +228,7 @@ def build_worker(
         block_bytes=spec.block_bytes * num_ranks,
         vocab_size=cfg.vocab_size,
         worker_id=args.worker_id or uuid.uuid4().hex[:12],
+        copy_gbps=measure_copy_gbps(engine, spec.block_bytes),
     )
     return runner, engine, ready
 
