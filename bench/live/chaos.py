@@ -89,11 +89,15 @@ def chunk_times(r: RequestRecord) -> list[float]:
     return times
 
 
+# Answers that refuse a request at the door (never accepted): admission bounds, nothing ready
+# to serve it, no gateway listening. A 503 later on ("its scheduler was lost ...") is a failure.
+REFUSALS = ("HTTP 429", "no model worker is ready", "no scheduler is reachable", "ClientConnectorError")
+
+
 def classify(r: RequestRecord) -> str:
     if r.ok and r.output_tokens == r.expected_output_tokens:
         return "completed"
-    err = r.error or ""
-    if r.ttft_s is None and (err.startswith(("HTTP 429", "HTTP 503")) or "ClientConnectorError" in err):
+    if r.ttft_s is None and any(x in (r.error or "") for x in REFUSALS):
         return "refused"
     return "failed"
 
@@ -184,8 +188,9 @@ async def chaos_phase(session, rig: Rig, model: str, pool: list[WorkItem], rate:
 
 
 def recovery_s(fault: Fault, records: list[RequestRecord], stall_s: float) -> float | None:
-    """From the fault's end until every stream it stalled flows again (see the docstring)."""
-    worst = 0.0
+    """From the fault's end until every stream it stalled flows again (see the docstring);
+    None when a stream it stalled never did (it failed)."""
+    worst: float | None = 0.0
     for r in records:
         times = chunk_times(r)
         if not times or r.start_s >= fault.start_s or times[-1] < fault.start_s:
@@ -194,7 +199,9 @@ def recovery_s(fault: Fault, records: list[RequestRecord], stall_s: float) -> fl
         before = [t for t in times if t <= fault.start_s] or [r.start_s]
         if after and after[0] - before[-1] > stall_s:
             resumed = next((t for t in after if t > fault.end_s), None)
-            if resumed is not None:
+            if resumed is None or classify(r) != "completed" or worst is None:
+                worst = None if classify(r) != "completed" else worst
+            else:
                 worst = max(worst, resumed - fault.end_s)
     return worst
 
@@ -206,7 +213,7 @@ def tally(items, records, texts, reference, pool_index, faults, stall_s) -> dict
     mismatches = [{"request": i, "prompt": pool_index[i], "start_s": round(records[i].start_s, 2),
                    "text": texts[i], "reference": reference[pool_index[i]]} for i in differ]  # fmt: skip
     recov = {f"{f.kind}@{f.start_s:.0f}s": recovery_s(f, records, stall_s) for f in faults}
-    values = [v for v in recov.values() if v is not None]
+    values = [v for v in recov.values() if v is not None]  # the faults after which every stalled stream resumed
     return {
         "sent": len(records),
         "accepted": len(records) - kinds.count("refused"),
@@ -222,6 +229,7 @@ def tally(items, records, texts, reference, pool_index, faults, stall_s) -> dict
         "recovery_s": recov,
         "recovery_p50_s": statistics.median(values) if values else None,
         "recovery_max_s": max(values) if values else None,
+        "faults_with_failed_streams": sum(v is None for v in recov.values()),
     }
 
 
@@ -258,7 +266,9 @@ async def chaos(rig: Rig, model: str, pool: list[WorkItem], args) -> dict:
         items, records, texts, faults = await chaos_phase(session, rig, model, pool, args.load * capacity, args)
     live, leaked = await idle_checks(rig, args.idle_timeout)
     rss_end = rig.rss()
-    start_mb, end_mb = sum(rss_start.values()), sum(rss_end.values())
+    # A process restarted by a fault is a new process: memory is compared over those that lived through.
+    kept = rss_start.keys() & rss_end.keys()
+    start_mb, end_mb = sum(rss_start[k] for k in kept), sum(rss_end[k] for k in kept)
     pool_index = [i % len(pool) for i in range(len(items))]
     result = {
         "setup": args.setup,
@@ -272,6 +282,7 @@ async def chaos(rig: Rig, model: str, pool: list[WorkItem], args) -> dict:
         "rss_start_mb": start_mb,
         "rss_end_mb": end_mb,
         "rss_growth_pct": 100.0 * (end_mb - start_mb) / start_mb if start_mb else None,
+        "rss_processes_restarted": sorted(rss_start.keys() - kept),
         "rss_start_by_process_mb": rss_start,
         "rss_end_by_process_mb": rss_end,
     }
@@ -337,9 +348,11 @@ def format_result(r: dict) -> str:
         f"({100.0 * r['completed'] / acc:.1f}%)  failed {r['failed']}  refused {r['refused']}",
         f"identical   {r['identical']} of {r['completed']} completed (greedy, vs the undisturbed run)",
         f"recovery s  p50 {num(r['recovery_p50_s'], '.2f')}  max {num(r['recovery_max_s'], '.2f')}  "
-        + "  ".join(f"{k} {num(v, '.1f')}" for k, v in r["recovery_s"].items()),
+        f"(faults whose stalled streams did not all resume: {r['faults_with_failed_streams']})",
+        "  by fault  " + "  ".join(f"{k} {num(v, '.1f')}" for k, v in r["recovery_s"].items()),
         f"at idle     leaked blocks {r['leaked_blocks']}  live requests {r['live_requests_at_idle']}",
-        f"rss MiB     start {num(r['rss_start_mb'])}  end {num(r['rss_end_mb'])}  growth {num(r['rss_growth_pct'], '.2f')}%",
+        f"rss MiB     start {num(r['rss_start_mb'])}  end {num(r['rss_end_mb'])}  growth {num(r['rss_growth_pct'], '.2f')}% "
+        f"(processes that lived through; restarted: {', '.join(r['rss_processes_restarted']) or 'none'})",
         "goals       " + "  ".join(f"{name}: {'yes' if ok else 'NO'}" for name, ok in r["goals"].items()),
     ]
     lines += [f"failed      {n} x {why}" for why, n in r["failures"].items()]

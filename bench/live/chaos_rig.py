@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.live.server import REPO, children_of, free_port, start_server, wait_for
-from bench.live.watch import rss_by_process
+from bench.live.watch import PAGE_BYTES, role_of, tree_pids
 from services.worker.faults import FAULTS_ENV
 
 ROLES = ("worker", "scheduler", "gateway")
@@ -46,6 +46,19 @@ def role_pid(parent: int, role: str) -> int | None:
         if role.encode() in argv:  # the subcommand: no flag is spelled as a bare role
             return kid
     return None
+
+
+def rss_of_tree(pid: int) -> dict[str, float]:
+    """MiB of each process of the tree under `pid`, keyed `role:pid`."""
+    out = {}
+    for p in tree_pids(pid):
+        try:
+            pages = int(Path(f"/proc/{p}/statm").read_text().split()[1])
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        out[f"{role_of(argv, p)}:{p}"] = pages * PAGE_BYTES / (1 << 20)
+    return out
 
 
 def signal_pid(pid: int | None, sig: int) -> bool:
@@ -135,7 +148,8 @@ class ServeRig(Rig):
         return role_pid(self.server.proc.pid, target)
 
     def rss(self) -> dict[str, float]:
-        return rss_by_process(self.server.proc.pid)
+        """MiB by process, keyed `role:pid` (a restarted child is another key)."""
+        return rss_of_tree(self.server.proc.pid)
 
     def stop(self) -> None:
         for role in ROLES:  # nothing may stay frozen: SIGTERM must reach every child
@@ -281,8 +295,11 @@ class ReplicatedRig(Rig):
             await asyncio.sleep(0.5)
 
     def rss(self) -> dict[str, float]:
-        return {name: sum(rss_by_process(child.proc.pid).values()) for name, child in self.children.items()
-                if child.proc is not None and child.proc.poll() is None}  # fmt: skip
+        out: dict[str, float] = {}
+        for child in self.children.values():
+            if child.proc is not None and child.proc.poll() is None:
+                out |= {f"{child.name}/{k}": v for k, v in rss_of_tree(child.proc.pid).items()}
+        return out
 
     def stop(self) -> None:
         for child in self.children.values():

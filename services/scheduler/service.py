@@ -45,7 +45,7 @@ from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
 from services.scheduler.metrics import Flight, trace_line
-from services.scheduler.recovery import STEP_TIMEOUT_S, Held, WorkerLink, out_of_vocab
+from services.scheduler.recovery import STEP_TIMEOUT_S, Held, WorkerLink, out_of_vocab, send_now
 from shared import config, protocol as p, zmqsec
 
 MAX_RECV_PER_TICK = 256
@@ -389,7 +389,8 @@ class SchedulerService:
     def _send_plan(self, plan: p.Plan, step: Step, schedule_s: float) -> Flight:
         """The driver's `send`: to the worker (zmq.Again if none is connected)."""
         t0 = time.perf_counter()
-        self.back.send(p.encode(plan), flags=zmq.NOBLOCK)
+        if not send_now(self.back, p.encode(plan)):
+            raise zmq.Again()
         # Its schedule time counts the send too, as the step trace always has.
         flight = Flight.of(plan, step, schedule_s + time.perf_counter() - t0, self.idle, time.monotonic())
         self.idle = False
