@@ -116,6 +116,8 @@ def schedule_trtllm_maxutil(core: PolicyView, step: Step) -> None:
         if need > num_free:
             step.num_blocks_wanted += need
         while need > num_free:  # pause the newest started request behind it, and cut the list there
+            if num_free + memory.hbm.num_deferred >= need:
+                break  # blocks still read by the step in flight come back next step: wait for them
             j = next((j for j in range(end - 1, i, -1) if order[j].status is Status.RUNNING), None)
             if j is None:
                 break
