@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             args.failover_grace,
             served_model_names=args.served_model_name,
             seed=args.seed,
+            tool_call_parser=args.tool_call_parser,
         )
     if args.command == "scheduler":
         from services.scheduler.main import run

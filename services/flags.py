@@ -59,6 +59,13 @@ def gateway_args(p: argparse.ArgumentParser) -> None:
         "(default: the model's own name)",
     )
     g.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        default=None,
+        help="how tools are written into chat prompts and tool calls read from the model's text "
+        "(vLLM's names; default: the chat template's own format, hermes where it has none)",
+    )
+    g.add_argument(
         "--seed",
         type=int,
         default=None,

@@ -160,7 +160,7 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
         for prep, i in choices
     ]
     timings = [timing] + [Timing(arrival=timing.arrival) for _ in adds[1:]]
-    texts = params.prompt_items(req) if ep is COMPLETION else [None]
+    texts = params.prompt_items(req) if ep.format is CompletionFormat else [None]
     fmts = [_format(ep, request_id, model, req, prep, state, i, texts[i // req.n]) for prep, i in choices]
     for f in fmts[1:]:
         f.created = fmts[0].created

@@ -5,9 +5,11 @@ Everything here is pure and raises `ApiError` (400, naming the `param`) for what
 alone cannot decide: content that is not text, token ids outside the vocabulary, an empty
 prompt, and a prompt plus max_tokens beyond the context window (OpenAI's
 `context_length_exceeded`, in vLLM's words), logit_bias ids outside the vocabulary, a
-`response_format` schema llguidance cannot compile, and combinations (top_logprobs without
-logprobs, min_tokens above max_tokens, max_tokens 0 without echo, response_format with
-ignore_eos or min_tokens). Decoding (api.py) checked the rest: max_tokens >= 1 (0 on completions),
+`response_format` or tool `parameters` schema llguidance cannot compile, and combinations
+(top_logprobs without logprobs, min_tokens above max_tokens, max_tokens 0 without echo,
+response_format with ignore_eos or min_tokens, the tool checks of tools.py). A completions
+batch (a list of prompts) is refused whole for one bad prompt, the error naming its index
+(`prompt[i]`). Decoding (api.py) checked the rest: max_tokens >= 1 (0 on completions),
 at most MAX_STOP_STRINGS non-empty stop strings of at most MAX_STOP_CHARS characters,
 temperature, top_p, top_k, seed, penalty, bias and logprobs ranges, at least one message,
 1 <= n <= MAX_N, and no field we do not implement.

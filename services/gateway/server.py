@@ -59,10 +59,12 @@ async def serve(
     client: dict | None = None,
     served_model_names: list[str] | None = None,
     seed: int | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Serve until `stop` is set (by default: until SIGINT or SIGTERM); `client` holds the
     `SchedulerClient` options (keys, failover grace). `served_model_names`: the names the
-    model answers to (default: its own); `seed`: see `GatewayState.default_seed`."""
+    model answers to (default: its own); `seed`: see `GatewayState.default_seed`;
+    `tool_call_parser`: the tool-call format (tools.py; default: the chat template's)."""
     stop = stop or _stop_on_signals()
     structlog.contextvars.bind_contextvars(service="gateway")
     path = resolve_model_path(model)
@@ -76,6 +78,7 @@ async def serve(
         served_model_names=served_model_names or [],
         seed=seed,
         root=str(path.resolve()),
+        tool_call_parser=tool_call_parser,
     )
     runner = web.AppRunner(
         build_app(state), handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S, access_log=None

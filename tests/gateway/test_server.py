@@ -97,12 +97,12 @@ def test_a_scheduler_lost_while_the_prompt_is_tokenized_is_503_not_500(tmp_path,
 
     tokenizing, release = threading.Event(), threading.Event()
 
-    def slow_prompt_ids(req, tokenizer):
+    def slow_prompts(req, tokenizer, tool_format):
         tokenizing.set()
         release.wait(10)
-        return app.params.completion_prompt_ids(req, tokenizer)
+        return app.params.completion_prompts(req, tokenizer)
 
-    monkeypatch.setattr(app, "COMPLETION", dataclasses.replace(app.COMPLETION, prompt_ids=slow_prompt_ids))
+    monkeypatch.setattr(app, "COMPLETION", dataclasses.replace(app.COMPLETION, prompts=slow_prompts))
     port, addr = free_port(), f"ipc://{tmp_path}/s.sock"
     url = f"http://127.0.0.1:{port}"
 
