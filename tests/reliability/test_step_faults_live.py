@@ -63,7 +63,7 @@ async def complete(url: str, model: str, prompt: str) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # three processes and a model start; a busy host is slow
+@pytest.mark.timeout(1800)  # three processes and a model start; a busy host is slow
 def test_raising_steps_with_the_worker_alone_fail_only_the_request_that_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("SUPERINFER_FAULTS", f"step=12,token={poison_token()}")
     procs: list = []
@@ -118,7 +118,7 @@ async def freeze_under_load(url: str, model: str, pair, thaw) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_a_worker_frozen_past_the_step_deadline_holds_requests_until_sigcont_or_a_replacement(tmp_path):
     procs: list = []
     try:

@@ -63,3 +63,29 @@ def test_serve_options_reach_the_worker_as_the_worker_parses_them():
     assert argv == ["--dram-gb", "0.5", "--kv-prefault"]
     worker = cli.build_parser().parse_args(["worker", *argv])
     assert worker.kv_prefault and worker.dram_gb == 0.5
+
+
+def test_is_stopped_tells_a_frozen_process_from_a_running_one():
+    import signal
+    import subprocess
+    import time
+
+    from services.supervisor import is_stopped
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not is_stopped(proc.pid)
+        proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not is_stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert is_stopped(proc.pid)
+        proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while is_stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not is_stopped(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not is_stopped(proc.pid)  # gone: not stopped
