@@ -112,7 +112,8 @@ BASELINES: tuple[Baseline, ...] = (
         "blocks; clients send each request's own output length as max_tokens, as for TensorRT-LLM.",
         "Its token-granular pool (ours is in blocks: a block of slack per request), frozen tokens of "
         "disaggregated modes, the `batch_max_tokens` prefill cap (our step budget plays that role), "
-        "data parallelism, the separate decode-step pacing (`router_max_wait_tokens`).",
+        "data parallelism, the separate decode-step pacing (`router_max_wait_tokens`). A request whose "
+        "estimate alone passes the pool is admitted when nothing runs (LightLLM would never admit it).",
     ),
     Baseline(
         "ltr",
@@ -127,7 +128,9 @@ BASELINES: tuple[Baseline, ...] = (
         "no room), the same step-counted guard. The predictor is the true output length times a "
         "log-normal error (sigma 1, Kendall's tau about 0.55 on ShareGPT, as the LTR paper reports).",
         "The ranking model itself; vLLM V0's blocking swap path unless the run gives ltr `vllm` copies; "
-        "its other schedule types (srtf, mlfq, tpt). An earlier version of ours preempted by recompute "
+        "its other schedule types (srtf, mlfq, tpt); its sequence budget counts scheduled requests, ours "
+        "running ones (with max_num_seqs running, a paused request waits). An earlier version of ours "
+        "preempted by recompute "
         "and promoted after the TTFT SLO: each displaced request recomputed its whole history to emit "
         "one token (15,051 recomputes, 360 tok/s at 10 conversations/s).",
     ),
