@@ -16,10 +16,10 @@ from bench.sim.costmodel import ModelShape, neo_applicable
 class Source:
     repo: str  # owner/name on GitHub
     commit: str  # the commit read
-    paths: tuple[str, ...]  # the files the rule is in
+    paths: tuple[str, ...]  # the files the rule is in ("path@commit" where read at another commit)
 
     def cite(self) -> str:
-        files = ", ".join(f"`{p}`" for p in self.paths)
+        files = ", ".join(f"`{p.split('@')[0]}`" + (f" @ `{p.split('@')[1][:12]}`" if "@" in p else "") for p in self.paths)
         return f"{self.repo} @ `{self.commit[:12]}`: {files}"
 
 
@@ -54,8 +54,8 @@ TRTLLM = Source(
     "cf6abc45df6e3470d8c378366896882e1f43e60c",
     (
         "cpp/tensorrt_llm/batch_manager/capacityScheduler.cpp",
-        "cpp/tensorrt_llm/batch_manager/scheduledBlocksManager.h",
-        "cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp",
+        "cpp/tensorrt_llm/batch_manager/scheduledBlocksManager.h@1ce9149bf3c290610ec8091806d68f6226ce3328",
+        "cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp@b35ac1b64368513d215c57d2ed01d62d910df8da",
     ),
 )
 LTR = Source(
