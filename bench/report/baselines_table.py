@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.sim.costmodel import ModelShape, neo_applicable
 
 
 @dataclass(frozen=True)
@@ -31,10 +30,6 @@ class Baseline:
     source: Source | None  # None: a policy of ours, no real project
     modeled: str  # how our core (and cost model) runs it
     left_out: str  # what we do not model
-
-    def applies_to(self, model: ModelShape) -> bool:
-        """Whether the system runs `model` at all (NEO has no MoE)."""
-        return neo_applicable(model) if self.policy == "neo" else True
 
 
 LIGHTLLM = Source(
@@ -163,13 +158,6 @@ BASELINES: tuple[Baseline, ...] = (
 
 def by_policy() -> dict[str, Baseline]:
     return {b.policy: b for b in BASELINES}
-
-
-def applicable(policy: str, model: ModelShape) -> bool:
-    """Whether a reproduction has a row for `policy` on `model` (policies not in the table:
-    always)."""
-    b = by_policy().get(policy)
-    return b is None or b.applies_to(model)
 
 
 def _cell(text: str) -> str:
