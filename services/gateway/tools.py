@@ -45,47 +45,48 @@ class ToolUse:
     names: tuple[str, ...]  # the functions it may call
 
 
-def choice_of(req: ChatCompletionRequest) -> str:
-    """"none", "auto", "required" or the name of the one function to call."""
+def choice_of(req: ChatCompletionRequest) -> tuple[str, str | None]:
+    """("none" | "auto" | "required", None), or ("named", the one function to call)."""
     if req.tool_choice is None:
-        return "auto" if req.tools else "none"
-    return req.tool_choice if isinstance(req.tool_choice, str) else req.tool_choice.function.name
+        return ("auto" if req.tools else "none"), None
+    if isinstance(req.tool_choice, str):
+        return req.tool_choice, None
+    return "named", req.tool_choice.function.name
 
 
 def check(req: ChatCompletionRequest) -> None:
     """400s for tool fields that are valid alone and not together."""
-    choice = choice_of(req)
+    choice, name = choice_of(req)
     names = [t.function.name for t in req.tools or []]
     if len(set(names)) < len(names):
         raise bad_request("tools name the same function twice", param="tools")
-    if choice not in ("none", "auto") and not names:
-        raise bad_request(f"tool_choice {choice!r} needs tools", param="tool_choice")
-    if choice not in ("none", "auto", "required") and choice not in names:
-        raise bad_request(f"tool_choice names {choice!r}, which is not among the tools", param="tool_choice")
+    if choice in ("required", "named") and not names:
+        raise bad_request(f"tool_choice {name or choice!r} needs tools", param="tool_choice")
+    if choice == "named" and name not in names:
+        raise bad_request(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
     if names and choice != "none" and req.response_format is not None and req.response_format.type != "text":
         raise bad_request("response_format cannot be combined with tools (unless tool_choice is none)", "response_format")
     if choice not in ("none", "auto"):  # the grammar ends the output, once complete
         if req.ignore_eos or req.min_tokens:
             field = "ignore_eos" if req.ignore_eos else "min_tokens"
-            raise bad_request(f"{field} cannot be combined with tool_choice {choice!r}", param=field)
+            raise bad_request(f"{field} cannot be combined with tool_choice {name or choice!r}", param=field)
 
 
 def tool_use(req: ChatCompletionRequest, fmt: str) -> ToolUse | None:
-    choice = choice_of(req)
+    choice, _ = choice_of(req)
     if choice == "none" or not req.tools:
         return None
-    kind = choice if choice in ("auto", "required") else "named"
-    return ToolUse(fmt, kind, tuple(t.function.name for t in req.tools))
+    return ToolUse(fmt, choice, tuple(t.function.name for t in req.tools))
 
 
 def grammar(req: ChatCompletionRequest, fmt: str) -> str | None:
     """The llguidance grammar for `required` or a named function, None otherwise; a 400
     naming the function whose `parameters` schema llguidance cannot compile. Call it off the
     event loop (a large schema takes a while)."""
-    choice = choice_of(req)
+    choice, name = choice_of(req)
     if choice in ("none", "auto") or not req.tools:
         return None
-    tools = [(i, t) for i, t in enumerate(req.tools) if choice == "required" or t.function.name == choice]
+    tools = [(i, t) for i, t in enumerate(req.tools) if choice == "required" or t.function.name == name]
     bodies = []
     for i, t in tools:
         _check_schema(t, i)

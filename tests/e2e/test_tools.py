@@ -108,7 +108,9 @@ def test_whole_and_streamed_calls_agree(server):
     client = sync_client(server)
     whole = create(client, server.model, ASK, False, tools=TOOLS, tool_choice="required")
     streamed = create(client, server.model, ASK, True, tools=TOOLS, tool_choice="required")
-    strip = lambda r: (r[0], [(c["name"], c["arguments"]) for c in r[1]], r[2])  # noqa: E731 (ids differ)
+    # Ids differ; a whole answer's content is trimmed, a stream's cannot be (it is text cut
+    # short at max_tokens here: the model keeps calling).
+    strip = lambda r: ((r[0] or "").strip(), [(c["name"], c["arguments"]) for c in r[1]], r[2])  # noqa: E731
     assert strip(whole) == strip(streamed)
     # Parallel calls allowed (the default): every complete call validates, however many.
     check_calls(whole[1], {"get_weather", "get_time"})

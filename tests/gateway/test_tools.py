@@ -192,3 +192,12 @@ def test_a_call_the_grammar_allows_validates_against_its_schema():
     jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo", "unit": "f"}}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo"}}, schema)
+
+
+def test_a_function_named_like_a_choice_is_called_by_name():
+    auto = {"type": "function", "function": {"name": "auto"}}
+    req = chat(messages=ROUND_TRIP[:1], tools=[auto, WEATHER], tool_choice={"type": "function", "function": {"name": "auto"}})
+    tools.check(req)
+    assert tools.choice_of(req) == ("named", "auto") and tools.tool_use(req, "hermes").choice == "named"
+    assert params.grammar(req, "hermes") is not None
+    assert tools.choice_of(chat(messages=ROUND_TRIP[:1], tools=[auto])) == ("auto", None)
