@@ -70,13 +70,12 @@ def run(args: argparse.Namespace) -> int:
     if "gguf" in names and gguf_quantization(path) is None:
         names.remove("gguf")
     prompts, text = chat_prompts(path, args), fixed_text(path, args.ppl_tokens)
-    models = {n: load_model(path, "cpu", torch.bfloat16 if n == "bfloat16" else torch.float32 if n == "float32" else n)
-              for n in names}  # fmt: skip
-    cfg = next(iter(models.values()))[1]
     results: dict = {"model": str(path), "threads": torch.get_num_threads(), "precisions": {}}
-    reference = None
-    for name, (model, _) in models.items():
+    reference, models = None, {}
+    for name in names:  # each measured as soon as it is loaded
         t0 = time.perf_counter()
+        dtype = torch.bfloat16 if name == "bfloat16" else torch.float32 if name == "float32" else name
+        model, cfg = models[name] = load_model(path, "cpu", dtype)
         tokens = generate(model, cfg, prompts, args.tokens)
         reference = reference or tokens
         out = results["precisions"][name] = {
