@@ -232,8 +232,10 @@ class CompletionRequest(_Sampling, kw_only=True):
 # ---------------------------------------------------------------- responses
 
 
-class PromptTokensDetails(Struct):
+class PromptTokensDetails(Struct, omit_defaults=True):
     cached_tokens: int  # prompt tokens whose KV the prefix cache held
+    # Our extension, when the DRAM tier gave some: cached_tokens by tier, {"hbm": n, "dram": m}.
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 class Usage(Struct):

@@ -35,6 +35,7 @@ class Piece:
     logprobs: Sequence[TokenLogprobs] = ()
     prompt_logprobs: Sequence[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # on the first piece: prompt tokens the prefix cache held
+    num_dram_cached_tokens: int = 0  # ... of which its DRAM tier loaded
 
 
 @dataclass
@@ -79,7 +80,9 @@ async def generate(
                 timing.on_tokens(len(reply.token_ids))
                 piece = _with_logprobs(_piece(reply.token_ids, reply.finish_reason, text), reply)
                 if reply.num_cached_tokens:
-                    piece = dataclasses.replace(piece, num_cached_tokens=reply.num_cached_tokens)
+                    piece = dataclasses.replace(
+                        piece, num_cached_tokens=reply.num_cached_tokens, num_dram_cached_tokens=reply.num_dram_cached_tokens
+                    )
             timing.finish_reason = piece.finish_reason
             yield piece
             if piece.finish_reason is not None:

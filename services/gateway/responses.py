@@ -44,12 +44,14 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 log = structlog.get_logger()
 
 
-def usage(num_prompt: int, num_output: int, num_cached: int) -> Usage:
+def usage(num_prompt: int, num_output: int, num_cached: int, num_dram: int = 0) -> Usage:
+    """`num_dram`: of the `num_cached` tokens, those loaded from the prefix cache's DRAM tier."""
+    by_tier = {"hbm": num_cached - num_dram, "dram": num_dram} if num_dram else None
     return Usage(
         prompt_tokens=num_prompt,
         completion_tokens=num_output,
         total_tokens=num_prompt + num_output,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached, cached_tokens_by_tier=by_tier),
     )
 
 
@@ -245,7 +247,8 @@ async def respond_full(
     all_pieces = [p for ps in by_choice for p in ps]
     num_output = sum(p.num_tokens for p in all_pieces)
     num_cached = num_cached_of([max((p.num_cached_tokens for p in ps), default=0) for ps in by_choice], prompt_of)
-    u = usage(num_prompt, num_output, num_cached)
+    num_dram = num_cached_of([max((p.num_dram_cached_tokens for p in ps), default=0) for ps in by_choice], prompt_of)
+    u = usage(num_prompt, num_output, num_cached, num_dram)
     bodies = [
         fmt.whole("".join(p.text for p in ps), ps[-1].finish_reason if ps else None, u, ps)
         for fmt, ps in zip(fmts, by_choice)
@@ -285,7 +288,7 @@ async def respond_stream(
 async def _write_events(resp, first, pieces, fmts: list[Format], num_prompt: int, include_usage: bool,
                         prompt_of: list[int] | None) -> None:
     num_output = 0
-    cached = [0] * len(fmts)  # per choice
+    cached, dram = [0] * len(fmts), [0] * len(fmts)  # per choice
     try:
         for fmt in fmts:
             if (opening := fmt.opening()) is not None:
@@ -293,14 +296,15 @@ async def _write_events(resp, first, pieces, fmts: list[Format], num_prompt: int
         async for i, p in _chain(first, pieces):
             num_output += p.num_tokens
             cached[i] = max(cached[i], p.num_cached_tokens)
+            dram[i] = max(dram[i], p.num_dram_cached_tokens)
             fmt = fmts[i]
             if p.text or p.finish_reason or fmt.has_news(p):
                 out = fmt.chunk(p.text, p.finish_reason, p)  # a body, a list of them, or none
                 for body in out if isinstance(out, list) else [out]:
                     await resp.write(sse(body))
         if include_usage:
-            num_cached = num_cached_of(cached, prompt_of)
-            await resp.write(sse(fmts[0].usage_chunk(usage(num_prompt, num_output, num_cached))))
+            num_cached, num_dram = num_cached_of(cached, prompt_of), num_cached_of(dram, prompt_of)
+            await resp.write(sse(fmts[0].usage_chunk(usage(num_prompt, num_output, num_cached, num_dram))))
     except ApiError as e:  # headers are gone: the error travels as an event
         log.warning("stream_failed", status=e.status, error=e.info.message)
         await resp.write(sse(e.body()))
