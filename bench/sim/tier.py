@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from bench.live.workload import ChatSpec
@@ -44,10 +45,13 @@ def label(policy: str, tier: bool) -> str:
 
 
 def jobs(ctx, rates, tier_gib: float = TIER_GIB, hbm_share: float = HBM_SHARE) -> list[sweep.Job]:
+    """Each system at each rate. Scheduling time is the profile's model, not this machine's wall
+    clock (the reproduction's): on a shared host the measured time follows the neighbours' load,
+    which differs between runs that the table puts side by side."""
     hbm = int(num_kv_blocks(ctx.hw, ctx.model, BLOCK_SIZE)[0] * hbm_share)
     return [
-        sweep.Job(r, ctx.setup(policy, "duplex", hbm=hbm, enable_prefix_caching=True,
-                               kv_offloading_size=tier_gib if tier else 0.0))
+        sweep.Job(r, replace(ctx.setup(policy, "duplex", hbm=hbm, enable_prefix_caching=True,
+                                       kv_offloading_size=tier_gib if tier else 0.0), sched_time="model"))
         for policy, tier in SYSTEMS
         for r in rates
     ]  # fmt: skip
