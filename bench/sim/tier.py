@@ -44,7 +44,7 @@ def label(policy: str, tier: bool) -> str:
     return f"{LABELS.get(policy, policy)} + {'tier' if tier else 'HBM only'}"
 
 
-def jobs(ctx, rates, tier_gib: float = TIER_GIB, hbm_share: float = HBM_SHARE) -> list[sweep.Job]:
+def jobs(ctx, rates, tier_gib: float = TIER_GIB, hbm_share: float = HBM_SHARE, systems=SYSTEMS) -> list[sweep.Job]:
     """Each system at each rate. Scheduling time is the profile's model, not this machine's wall
     clock (the reproduction's): on a shared host the measured time follows the neighbours' load,
     which differs between runs that the table puts side by side."""
@@ -52,26 +52,27 @@ def jobs(ctx, rates, tier_gib: float = TIER_GIB, hbm_share: float = HBM_SHARE) -
     return [
         sweep.Job(r, replace(ctx.setup(policy, "duplex", hbm=hbm, enable_prefix_caching=True,
                                        kv_offloading_size=tier_gib if tier else 0.0), sched_time="model"))
-        for policy, tier in SYSTEMS
+        for policy, tier in systems
         for r in rates
     ]  # fmt: skip
 
 
 def compare(
-    ctx, rates=CONV_RATES, tier_gib: float = TIER_GIB, hbm_share: float = HBM_SHARE, think_s: float | None = None
+    ctx, rates=CONV_RATES, tier_gib: float = TIER_GIB, hbm_share: float = HBM_SHARE, think_s: float | None = None,
+    systems=SYSTEMS,
 ) -> list[dict]:
     """One row per (system, rate), averaged over the context's seeds (spreads beside), on its
     conversations (`think_s`: seconds from a turn's end to the next turn's arrival, the
     context's own when None). `ctx`: bench.sim.reproduce.Ctx, or anything with its `hw`,
-    `model`, `seeds`, `args`, `setup`, `run` and `conversations`."""
-    js = jobs(ctx, rates, tier_gib, hbm_share)
-    if think_s is None:
-        rows = ctx.run(js, "conversations")
-        think_s = ChatSpec().think_s
+    `model`, `seeds`, `args` (`conversations`, `jobs`), `setup` and `conversations`. `systems`:
+    some of SYSTEMS only."""
+    js = jobs(ctx, rates, tier_gib, hbm_share, systems)
+    if think_s is None:  # not through ctx.run: its job key leaves the tier's size out
+        items, think_s = ctx.conversations(), ChatSpec().think_s
     else:
         chat = ChatSpec(multi_turn=True, think_s=think_s)
         items = {s: sweep.load_items("sharegpt-long", ctx.args.conversations, s, chat=chat) for s in ctx.seeds}
-        rows = mean_rows(sweep.sweep_seeds(items, js, SLOS[0], SLOS[1], num_procs=ctx.args.jobs))
+    rows = mean_rows(sweep.sweep_seeds(items, js, SLOS[0], SLOS[1], num_procs=ctx.args.jobs))
     return [{**r, "think_s": think_s, "hbm_share": hbm_share} for r in rows]
 
 
