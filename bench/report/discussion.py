@@ -74,6 +74,7 @@ def claim_rows(workloads: dict[str, tuple[list[dict], str]]) -> tuple[list[str],
             d, p, rate, sd = ttft_lead(rows, lvf)
             held = d >= LEAD and d > sd
             ok[("ttft", wl, lvf)] = held
+            ok[("ttft_text", wl, lvf)] = f"{lvf} {d:+.1f} over {name(p)} at {rate:g} {unit} (spread {sd:.1f})"
             L.append(
                 f"| TTFT attainment up to 74.7 points above the baselines at high rates | {wl} | {lvf} | "
                 f"largest lead {d:+.1f} (spread {sd:.1f}) over {name(p)} at {rate:g} {unit} | {'yes' if held else 'no'} |"
@@ -82,6 +83,7 @@ def claim_rows(workloads: dict[str, tuple[list[dict], str]]) -> tuple[list[str],
             d, p, rate, sd = tbt_worst(rows, lvf)
             held = d <= max(TBT_TIE, sd)
             ok[("tbt", wl, lvf)] = held
+            ok[("tbt_text", wl, lvf)] = f"{lvf} at worst {d:.1f} below {name(p)} at {rate:g} {unit} (spread {sd:.1f})"
             L.append(
                 f"| TBT better than or comparable to vLLM, TensorRT-LLM, LightLLM and NEO | {wl} | {lvf} | "
                 f"at worst {d:.1f} points below {name(p)} at {rate:g} {unit} (spread {sd:.1f}) | "
@@ -90,6 +92,7 @@ def claim_rows(workloads: dict[str, tuple[list[dict], str]]) -> tuple[list[str],
         lvf = "lvf"
         is_best, severe, text = ltr_check(rows, lvf)
         ok[("ltr", wl)] = is_best and severe
+        ok[("ltr_text", wl)] = text
         L.append(
             f"| LTR has the best TTFT at a severe TBT cost | {wl} | — | at the top rate: {text} | "
             f"{'yes' if is_best and severe else 'best TTFT: ' + ('yes' if is_best else 'no') + '; severe cost: ' + ('yes' if severe else 'no')} |"
@@ -102,25 +105,55 @@ def _verdict(paper: bool, ours: bool) -> str:
 
 
 def verdicts(ok: dict, workloads: list[str]) -> list[str]:
-    """One paragraph per claim: holds / holds only with our additions / does not hold, per workload."""
+    """One paragraph per claim: holds (the paper's LVF shows it) / holds only with our additions
+    (only lvf does) / does not hold, per workload, with the figures that decide it."""
     L = []
     for key, words in (
         ("ttft", "TTFT attainment up to 74.7 points above the baselines at high request rates"),
         ("tbt", "TBT better than or comparable to vLLM, TensorRT-LLM, LightLLM and NEO"),
     ):
-        parts = [f"on {wl}: {_verdict(ok[(key, wl, 'lvf-paper')], ok[(key, wl, 'lvf')])}" for wl in workloads]
-        L += [
-            f"- *{words}.* " + "; ".join(parts) + ". \"Holds\" means the paper's LVF (`lvf-paper`) shows it; \"only with "
-            "our additions\" means only `lvf` (the guards of the ablation below) does. Rows: the table above and Fig. 16.",
-            "",
+        parts = [
+            f"on {wl} {_verdict(ok[(key, wl, 'lvf-paper')], ok[(key, wl, 'lvf')])} "
+            f"({ok[(key + '_text', wl, 'lvf-paper')]}; {ok[(key + '_text', wl, 'lvf')]})"
+            for wl in workloads
         ]
-    parts = [f"on {wl}: {'**holds**' if ok[('ltr', wl)] else '**does not hold**'}" for wl in workloads]
+        L += [f"**Verdict — {words}.** " + "; ".join(parts) + ".", ""]
+    parts = [f"on {wl} {'**holds**' if ok[('ltr', wl)] else '**does not hold**'} ({ok[('ltr_text', wl)]})" for wl in workloads]
     L += [
-        "- *LTR has the best TTFT at a severe TBT cost.* " + "; ".join(parts) + " (best TTFT among all policies within "
-        f"the spread, TBT attainment >= {SEVERE:g} points below lvf's: our threshold).",
+        "**Verdict — LTR has the best TTFT at a severe TBT cost.** " + "; ".join(parts) + ". (Best TTFT: among all "
+        f"policies, within the spread; severe: TBT attainment >= {SEVERE:g} points below lvf's, our threshold.)",
+        "",
+        "\"Holds\": the paper's LVF (`lvf-paper`) shows it; \"holds only with our additions\": only `lvf`, i.e. the "
+        "guards of the ablation below, does.",
         "",
     ]
     return L
+
+
+def ablation_summary(rows: list[dict], unit: str) -> str:
+    """What the VLT ordering earns alone (lvf-paper vs vllm-v1), and what each guard adds to
+    lvf-paper and to the baselines, in points of TTFT / TBT attainment."""
+    by = {r["variant"]: r for r in rows}
+
+    def delta(a: str, b: str) -> str:
+        x, y = by[a], by[b]
+        parts = []
+        for k in ("ttft_attainment", "tbt_attainment"):
+            sd = max(_sd(x, k), _sd(y, k))
+            d = 100 * (x[k] - y[k])
+            parts.append("tie" if abs(d) <= sd else f"{d:+.1f}")
+        return " / ".join(parts)
+
+    rate = rows[0]["rate"]
+    guards = [v.removeprefix("lvf-paper + ") for v in by if v.startswith("lvf-paper + ")]
+    out = [f"At {rate:g} {unit}, in points of TTFT / TBT attainment (\"tie\": within the seeds' spread): the VLT "
+           f"ordering alone (lvf-paper − vllm-v1) {delta('lvf-paper', 'vllm-v1')}; "  # fmt: skip
+           + "; ".join(f"{g} added to lvf-paper {delta('lvf-paper + ' + g, 'lvf-paper')}" for g in guards)
+           + f"; all four (lvf − lvf-paper) {delta('lvf (all four)', 'lvf-paper')}"]
+    for p in ("vllm-v1", "wf"):
+        extra = [v for v in by if v.startswith(p + " + ")]
+        out.append("; ".join(f"{v.removeprefix(p + ' + ')} added to {p} {delta(v, p)}" for v in extra))
+    return "; ".join(out) + "."
 
 
 def pressure_arithmetic(st: dict, rows: list[dict], lmsys: list[dict]) -> list[str]:
