@@ -280,7 +280,7 @@ def render_rest(res: dict) -> list[str]:
     top = f1[0]["rate"]
     abl = lambda r: f"{r['policy']} {r['transfer_mode']} B_xfer={r['xfer_budget']}"  # noqa: E731
     L = [
-        f"## Fig. 1 — WF vs SF under memory pressure (conversations at {top:g}/s, vLLM's swap path)",
+        f"## Fig. 1 — WF vs SF (conversations at {top:g}/s, vLLM's swap path)",
         "",
         "Paper: waiting-first gets better TTFT but worse TBT; swapped-first keeps TBT steady with TTFT close to FCFS.",
         "",
