@@ -66,7 +66,7 @@ from bench.sim.costmodel import (
 from bench.sim.costmodel import GB, direction_rate
 from services.scheduler.core import Request, SchedulerConfig, SchedulerCore
 from services.scheduler.core.baselines import CLIENT_SENDS_OUTPUT_LEN
-from services.scheduler.core.step import Step
+from services.scheduler.core.step import Step, samples
 from services.scheduler.driver import Driver
 from shared.config import default_pipeline_depth
 from shared.protocol import AddRequest, Plan, SamplingParams, StepResult, StepTimings, TokenOutput
@@ -345,14 +345,14 @@ def run_clock(
 
 
 def plan_work(plan, items: list[WorkItem], num_samples: list[int]) -> tuple[StepWork, list[str]]:
-    """What the plan computes, and which requests sample: those whose scheduled tokens
-    reach the end of their known tokens (prompt + every sample planned before)."""
+    """What the plan computes, and which requests sample (the core's rule, `samples`: the
+    scheduled tokens reach the end of the known ones, prompt + every sample planned before)."""
     work, sampled = StepWork(), []
     for s in plan.scheduled:
         i = int(s.request_id)
-        samples = s.num_computed_tokens + s.num_new_tokens == items[i].prompt_tokens + num_samples[i]
-        work.add(s.num_computed_tokens, s.num_new_tokens, samples)
-        if samples:
+        sample = samples(s.num_computed_tokens, s.num_new_tokens, items[i].prompt_tokens + num_samples[i])
+        work.add(s.num_computed_tokens, s.num_new_tokens, sample)
+        if sample:
             num_samples[i] += 1
             sampled.append(s.request_id)
     return work, sampled
