@@ -40,7 +40,7 @@ BENCHMARKS = {
     "simlive": ("bench.sim.simlive", "the simulator vs the live server on one ShareGPT trace, calibrated in the same run"),
     "reproduce": ("bench.sim.reproduce", "regenerate bench/REPRODUCTION.md from simulator runs"),
     "tier": ("bench.sim.tier", "the DRAM prefix-cache tier in the simulator: LVF + tier vs vLLM V1 + host tier"),
-    "summary": ("bench.report.summary", "copy a run's figures into bench/summary.json and render docs/results.md"),
+    "summary": ("bench.summary", "copy a run's figures into bench/summary.json and render docs/results.md"),
 }
 
 

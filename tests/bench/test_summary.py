@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench.report import summary
+from bench import summary
 
 
 def test_committed_page_is_rendered_from_the_committed_rows():

@@ -10,7 +10,8 @@ to the run that produced it and re-rendered on a fresh clone:
     superinfer bench summary --drop NAME
     superinfer bench summary                  # re-render docs/results.md from bench/summary.json
 
-A test renders the committed rows and compares them with the committed page.
+A test renders the committed rows and compares them with the committed page. (It lives beside
+the rows, in the benchmarks' layer, because a compare run's table is bench/live/compare.py's.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SUMMARY_JSON = ROOT / "bench" / "summary.json"
 RESULTS_MD = ROOT / "docs" / "results.md"
 MAX_LIST = 32  # longer lists are per-request or per-step records: the tables never read them
