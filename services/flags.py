@@ -135,10 +135,11 @@ def worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     g.add_argument(
         "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_1"],
+        choices=["auto", "float32", "bfloat16", "float16", "gguf", "q8_0", "q4_0", "q4_1"],
         default="auto",
-        help="weights and KV cache: auto is bfloat16 on CUDA; on CPU a quantized GGUF's own format (its "
-        "matrices kept packed), else float32; q8_0/q4_0/q4_1 quantize the matrices at load (CPU; "
+        help="weights and KV cache: auto is bfloat16 on CUDA, float32 on CPU; gguf serves a quantized GGUF's "
+        "own format on CPU (its matrices kept packed, int8 activations: faster, but greedy tokens may "
+        "differ after a preemption's recompute); q8_0/q4_0/q4_1 quantize the matrices at load (CPU; "
         "activations and KV float32); bfloat16 on a CPU with AVX512-BF16: bfloat16 matrices, float32 "
         "activations and KV (default %(default)s)",
     )

@@ -174,15 +174,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_dtype(name: str, device: torch.device, path: Path | None = None) -> torch.dtype | str:
-    """`--dtype`: auto is bfloat16 on CUDA (a 32B model's weights and KV fit); on CPU a quantized
-    GGUF's own format ("gguf": its Q8_0/Q4_0/Q4_1 matrices served packed), else float32. A
+    """`--dtype`: auto is bfloat16 on CUDA (a 32B model's weights and KV fit), float32 on CPU.
+    "gguf" serves a quantized GGUF's own format (its Q8_0/Q4_0/Q4_1 matrices packed, int8
+    activations); it is not auto because greedy tokens then differ between a token decoded and
+    the same token recomputed after a preemption (activations rounded to int8 turn prefill's and
+    decode's float differences into near-tie flips), which the float types keep identical. A
     quantization's name (q8_0, q4_0, q4_1) quantizes the matrices at load, all else float32.
     bfloat16 on a CPU with AVX512-BF16 is "bf16": the matrices in bfloat16 (vdpbf16ps),
     activations and KV float32; elsewhere the whole model and KV in bfloat16."""
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        return "gguf" if device.type == "cpu" and path is not None and gguf_quantization(path) else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "gguf":
+        if device.type != "cpu" or path is None or not gguf_quantization(path):
+            raise ValueError("--dtype gguf serves a quantized GGUF file's own format, on a CPU worker")
+        return "gguf"
     if name == "bfloat16" and device.type == "cpu" and cpu_quant.bf16_fast():
         return "bf16"
     return DTYPES.get(name, name)
