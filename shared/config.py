@@ -41,7 +41,7 @@ def default_pipeline_depth(on_cpu: bool) -> int:
     its swap-ins must be ready before t ends); 1 where the host's cores compute. There a step
     takes 30-110 ms against a ~1 ms round trip for the next plan, and a plan built a step
     early keeps every request that arrives during step t out of step t+1: one more step of
-    TTFT for each, to save that millisecond (measured: README, "Scheduling and memory knobs")."""
+    TTFT for each, to save that millisecond (measured: docs/design.md, "Scheduling and memory knobs")."""
     return 1 if on_cpu else 2
 
 
@@ -50,7 +50,7 @@ def default_mirror_watermark(on_cpu: bool) -> float:
     rotation). 0, always, where a GPU's copy engine moves them beside the compute; 0.5 where
     the host's cores compute: there a mirror is a memcpy on the cores the forward runs on, and
     mirroring every prompt's blocks with no preemption in sight stretched 16-stream prefill
-    steps from ~400 to ~950 ms (README, "Scheduling and memory knobs"). From half the pool a
+    steps from ~400 to ~950 ms (docs/design.md, "Scheduling and memory knobs"). From half the pool a
     preemption is still far enough off for the mirrors to be made in time."""
     return 0.5 if on_cpu else 0.0
 
@@ -59,7 +59,7 @@ def default_slo_chunking(on_cpu: bool) -> bool:
     """Whether LVF caps a step's prefill tokens to keep its decodes within the TBT SLO. On where
     a GPU decodes: a decode step there takes a fraction of the SLO, a prefill chunk beside it
     can make it miss, and capping the chunk keeps every gap in (the simulator, `gh200`,
-    Qwen2.5-32B, ShareGPT at 20 req/s: README, "Scheduling and memory knobs"). Off where the
+    Qwen2.5-32B, ShareGPT at 20 req/s: docs/design.md, "Scheduling and memory knobs"). Off where the
     host's cores compute: a CPU decode step takes most of the SLO by itself, so the cap leaves
     prompts a few tokens a step and each step's fixed cost is paid many times (measured live:
     8 streams 79 -> 63 tok/s, ShareGPT TBT gaps 94 -> 71%)."""

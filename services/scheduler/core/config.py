@@ -33,7 +33,7 @@ class SchedulerConfig:
     known tokens (prompt + generated so far), not just for the first chunk this step
     computes (vLLM V1's `scheduler_reserve_full_isl`, on by default there). Without it a
     long prompt admitted for one chunk cannot grow into its next chunk and is preempted
-    at once, again and again (README "Scheduling": fcfs preempted 275 times instead of 18
+    at once, again and again (docs/design.md, "Scheduling and memory knobs": fcfs preempted 275 times instead of 18
     for 60 ShareGPT requests at 1 req/s on 65 blocks of 32 tokens).
     """
 

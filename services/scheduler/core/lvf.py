@@ -15,7 +15,7 @@
    blocks to growth, so recompute cannot livelock).
 
 Guards against rotation that costs more than it gains (SchedulerConfig; defaults chosen by
-measurement in the simulator, README "Scheduling"). Without them a paused request that has
+measurement in the simulator, docs/design.md "Scheduling and memory knobs"). Without them a paused request that has
 emitted tokens, whose VLT is positive the moment it is paused, displaces the longest-running
 request at once, which does the same a step later: a carousel (the simulator, seeds 0-2 at
 1 req/s, no guard: 78 rotations per request, TBT attainment 73%). Such a displacement gains
