@@ -42,6 +42,7 @@ import aiohttp
 from bench.live import server
 from bench.live.chaos_rig import Fault, ReplicatedRig, Rig, ServeRig
 from bench.live.serve import request_body, send
+from bench.live.soak import chunk_times, num
 from bench.live.watch import idle_state, wait_idle
 from bench.live.workload import WorkItem, arrival_times, sample_sharegpt, sharegpt_conversations
 from bench.report.metrics import RequestRecord
@@ -77,16 +78,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------- the load
-
-
-def chunk_times(r: RequestRecord) -> list[float]:
-    """When each streamed chunk arrived, from the phase's start."""
-    if r.ttft_s is None:
-        return []
-    times = [r.start_s + r.ttft_s]
-    for gap in r.tbt_s:
-        times.append(times[-1] + gap)
-    return times
 
 
 # Answers that refuse a request at the door (never accepted): admission bounds, nothing ready
@@ -331,10 +322,6 @@ def run(args: argparse.Namespace) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return 0 if all(result["goals"].values()) else 1
-
-
-def num(v, spec: str = ".1f") -> str:
-    return "n/a" if v is None else format(v, spec)
 
 
 def format_result(r: dict) -> str:
