@@ -10,6 +10,7 @@ import math
 import openai
 import pytest
 
+from bench.live.server import wait_for
 from tests.gateway.test_http import raw, sync_client
 
 PROMPTS = [
@@ -68,12 +69,17 @@ def test_batch_choices_are_indexed_prompt_times_n(server):
     [(["fine", ""], "prompt[1]"), (["a", "b", [49152]], "prompt[2]"), ([[1, 2], []], "prompt[1]"), ([1, "a"], "prompt")],
 )
 def test_one_bad_prompt_refuses_the_batch_naming_its_index(server, prompt, param):
+    def idle() -> bool:  # what earlier tests sent on this shared server has finished
+        stats = server.scheduler_stats()
+        return stats["num_running"] + stats["num_waiting"] == 0
+
+    assert wait_for(idle, 60.0), server.scheduler_stats()
     with pytest.raises(openai.BadRequestError) as e:
         sync_client(server).completions.create(model=server.model, prompt=prompt, max_tokens=2)
     assert e.value.body["param"] == param, e.value.body
     if param != "prompt":
         assert f"prompt {param[7]}" in e.value.body["message"]
-    assert server.scheduler_stats()["num_running"] == 0
+    assert idle(), "the refused batch started some of its prompts"
 
 
 def test_prompt_logprobs_on_both_endpoints(server):
