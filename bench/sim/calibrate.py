@@ -280,7 +280,9 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "link": link,
         "defaults": {
-            k: getattr(SchedulerConfig, k) for k in ("max_batched_tokens", "max_num_seqs", "xfer_budget")
+            "max_batched_tokens": SchedulerConfig.max_batched_tokens,
+            "max_num_seqs": SchedulerConfig.max_num_seqs,
+            "xfer_budget": SchedulerConfig().b_xfer,
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

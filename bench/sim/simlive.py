@@ -88,7 +88,7 @@ class Setting:
     dram_gb: float = 2.0
     max_batched_tokens: int = SchedulerConfig.max_batched_tokens
     max_num_seqs: int = SchedulerConfig.max_num_seqs
-    xfer_budget: int = SchedulerConfig.xfer_budget
+    xfer_budget: int = SchedulerConfig().b_xfer
     transfer_mode: str = "duplex"
     pipeline_depth: int = default_pipeline_depth(on_cpu=True)  # the server runs on this machine's CPU
 

@@ -280,7 +280,7 @@ def jobs_from_args(args: argparse.Namespace, hw: Hardware, model: ModelShape) ->
     knobs = itertools.product(
         args.policies,
         args.transfer_mode,
-        args.xfer_budget or [d.get("xfer_budget", base.xfer_budget)],
+        args.xfer_budget or [d.get("xfer_budget", base.b_xfer)],
         args.alpha,
         args.beta_f,
         args.beta_b,

@@ -226,7 +226,8 @@ def test_b_xfer_from_the_measured_bandwidth_unless_set():
     cfg = SchedulerConfig(tbt_slo=0.1).for_worker(4 << 20, 200.0)
     assert cfg.xfer_budget == int(200e9 * 0.05 / (4 << 20)) and cfg.copy_gbps == 200.0
     assert SchedulerConfig(xfer_budget=96).for_worker(4 << 20, 200.0).xfer_budget == 96
-    assert SchedulerConfig().for_worker(4 << 20, 0.0).xfer_budget == 2400
+    assert SchedulerConfig().for_worker(4 << 20, 0.0).b_xfer == 2400  # the paper's, with no measurement
+    assert SchedulerConfig(xfer_budget=2400).for_worker(4 << 20, 200.0).b_xfer == 2400  # given, kept
 
 
 def test_memory_without_caching_has_no_tier():

@@ -54,10 +54,11 @@ class SchedulerConfig:
     alpha: float = _flag(3.0, "VLT weight of rotary requests (default %(default)s)")
     beta_f: float = _flag(0.5, "TTFT slack share before VLT grows (default %(default)s)")
     beta_b: float = _flag(0.0, "TBT slack share before VLT grows (default %(default)s)")
-    xfer_budget: int = _flag(
-        DEFAULT_XFER_BUDGET,
+    xfer_budget: int | None = _flag(
+        None,
         "B_xfer: KV blocks that may be copied per step (default: what the worker's measured copy "
-        "bandwidth moves in half the TBT SLO; %(default)s, the paper's, without a measurement)",
+        f"bandwidth moves in half the TBT SLO; {DEFAULT_XFER_BUDGET}, the paper's, without a measurement)",
+        type=int,
     )
     max_batched_tokens: int = _flag(512, "chunked-prefill token budget per step, decodes first (default %(default)s)")
     slo_chunking: bool | None = _flag(
@@ -160,7 +161,7 @@ class SchedulerConfig:
             self.min_residency_s, self.admit_watermark, self.rotary_yields = 0.0, 0.0, False
             self.slo_chunking = False
         for name in ("block_size", "max_batched_tokens", "max_num_seqs", "xfer_budget"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.alpha <= 0 or self.ttft_slo <= 0 or self.tbt_slo <= 0:
             raise ValueError("alpha and the SLOs must be > 0")
@@ -218,13 +219,18 @@ class SchedulerConfig:
         )
 
     def for_worker(self, block_bytes: int, copy_gbps: float) -> SchedulerConfig:
-        """This config with the worker's block bytes and measured copy bandwidth. B_xfer left at its
-        default (the paper's figure for its machine) becomes what this machine's link copies in
-        XFER_SHARE of the TBT SLO (the paper's 2400 blocks are about that on GH200, Qwen2.5-32B)."""
+        """This config with the worker's block bytes and measured copy bandwidth. B_xfer not given
+        becomes what this machine's link copies in XFER_SHARE of the TBT SLO (the paper's 2400
+        blocks are about that on GH200, Qwen2.5-32B); one given is kept, whatever its value."""
         budget = self.xfer_budget
-        if copy_gbps > 0 and block_bytes > 0 and budget == DEFAULT_XFER_BUDGET:
+        if copy_gbps > 0 and block_bytes > 0 and budget is None:
             budget = max(1, int(copy_gbps * 1e9 * XFER_SHARE * self.tbt_slo / block_bytes))
         return replace(self, block_bytes=block_bytes, copy_gbps=copy_gbps, xfer_budget=budget)
+
+    @property
+    def b_xfer(self) -> int:
+        """B_xfer: `xfer_budget`, the paper's figure while neither given nor measured."""
+        return DEFAULT_XFER_BUDGET if self.xfer_budget is None else self.xfer_budget
 
     @property
     def tier_mode(self) -> str | None:

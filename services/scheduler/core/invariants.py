@@ -90,7 +90,7 @@ def _check_sets(core: CoreState) -> None:
 
 def _check_step(core: CoreState) -> None:
     step = core.last_step
-    assert step.num_moved <= core.cfg.xfer_budget, f"step {step.step_id} moved {step.num_moved} > B_xfer"
+    assert step.num_moved <= core.cfg.b_xfer, f"step {step.step_id} moved {step.num_moved} > B_xfer"
     assert len(step.scheduled) <= core.cfg.max_num_seqs, f"step {step.step_id}: too many requests"
     num_tokens = sum(r.step_new_tokens for r in step.scheduled)
     assert num_tokens <= core.cfg.max_batched_tokens, f"step {step.step_id}: {num_tokens} tokens over budget"

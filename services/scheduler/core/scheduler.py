@@ -199,7 +199,7 @@ class SchedulerCore:
             now=now,
             tokens_left=cfg.max_batched_tokens,
             prefill_left=self._prefill_cap(now),
-            moves_left=cfg.xfer_budget,
+            moves_left=cfg.b_xfer,
             seqs_left=cfg.max_num_seqs,
             free_hbm_at_start=memory.hbm.num_free,
             fits_all=self.num_demand_blocks <= memory.hbm.num_blocks,
@@ -296,7 +296,7 @@ class SchedulerCore:
         else -> WAITING by recompute if `recompute_ok`. Never aborts. Returns whether
         `req` was preempted."""
         memory = self.memory
-        swappable = self.cfg.swaps and 0 < len(req.hbm_blocks) <= self.cfg.xfer_budget
+        swappable = self.cfg.swaps and 0 < len(req.hbm_blocks) <= self.cfg.b_xfer
         others = (r for r in self.running.values() if r is not req)
         if swappable and memory.can_swap_out(req, step, others):
             memory.preempt_swap(req, step)

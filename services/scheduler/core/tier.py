@@ -75,7 +75,7 @@ def plan_loads(
         return 0  # computing a block is faster than copying it in
     if num_dram <= room:
         return num_dram
-    if cfg.policy == "lvf" and num_dram <= min(cfg.xfer_budget, hbm.num_blocks):
+    if cfg.policy == "lvf" and num_dram <= min(cfg.b_xfer, hbm.num_blocks):
         if _slack_covers_a_step(cfg, fit, step.now, req, len(chain), num_dram * copy_s):
             return None
     return room
