@@ -83,6 +83,8 @@ class BlockPool:
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.index: dict[bytes, int] = {}
         self.index_version = 0  # changes whenever `index` does (for memos of lookups)
+        # Hashes someone watches (`watch`): hash -> {key: (the answer kept, its position)}.
+        self._watched: dict[bytes, dict[object, tuple[dict[int, int], int]]] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._busy: dict[int, int] = {}
         self._busy_steps: list[tuple[int, list[int]]] = []
@@ -175,6 +177,8 @@ class BlockPool:
             self.hash_of[b] = h
             self.index[h] = b
             self.index_version += 1
+            for found, i in self._watched.get(h, {}).values():
+                found[i] = b
 
     def unhash(self, b: int) -> None:
         h = self.hash_of[b]
@@ -182,6 +186,26 @@ class BlockPool:
             del self.index[h]
             self.hash_of[b] = None
             self.index_version += 1
+            for found, i in self._watched.get(h, {}).values():
+                del found[i]
+
+    def watch(self, key: object, hashes: list[bytes]) -> dict[int, int]:
+        """Position -> block for those of `hashes` the index holds, kept up to date by every
+        later change of the index until `unwatch(key, hashes)` (admission asks which blocks
+        of every rotated-out request are still here, step after step)."""
+        found = {}
+        for i, h in enumerate(hashes):
+            if (b := self.index.get(h)) is not None:
+                found[i] = b
+            self._watched.setdefault(h, {})[key] = (found, i)
+        return found
+
+    def unwatch(self, key: object, hashes: list[bytes]) -> None:
+        for h in hashes:
+            if (w := self._watched.get(h)) is not None:
+                w.pop(key, None)
+                if not w:
+                    del self._watched[h]
 
     def lookup(self, h: bytes) -> int | None:
         return self.index.get(h)

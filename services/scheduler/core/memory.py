@@ -3,7 +3,7 @@ recompute), swap-in and eager mirroring. Reuse of freed blocks follows the rule 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from .blocks import BlockPool
 from .prefix import extend_hashes, root_hash
@@ -34,7 +34,9 @@ class Memory:
         # `blocks_to_admit`: preempting victims in between may turn blocks they held into
         # cached ones, which then cost a free block more than that count said.
         self._num_revived: dict[str, int] = {}
-        self._reuse_memo: tuple[tuple, dict[int, int]] = ((), {})  # hbm_reuse's last answer, by its inputs
+        # Rotary request id -> (its full blocks' hashes, hbm_reuse's answer), the answer kept up
+        # to date by the HBM pool as long as the request is rotated out (BlockPool.watch).
+        self._reuse: dict[str, tuple[list[bytes], dict[int, int]]] = {}
         # The DRAM tier (tier.py): cached DRAM blocks kept at most (0: off), what a waiting
         # request's prefix found there loads this step (decided once per request and step by
         # `_planner`), and its counters (tokens).
@@ -220,17 +222,23 @@ class Memory:
         self._hash(req, num_full)
         return num_full
 
-    def hbm_reuse(self, req: Request) -> dict[int, int]:
+    def hbm_reuse(self, req: Request) -> Mapping[int, int]:
         """A rotary request's full blocks whose content is still in HBM (held by another
         request, cached, or being copied out): block index -> HBM block. Its swap-in takes
-        them by reference instead of copying them."""
+        them by reference instead of copying them. Admission asks this of every rotated-out
+        request in every step: the HBM pool keeps the answer up to date."""
         num_full = self._num_full(req, req.num_computed_tokens)
-        key = (req.request_id, num_full, self.hbm.index_version)
-        if self._reuse_memo[0] != key:  # admission asks this of every paused request, several times in a row
-            lookup = self.hbm.index.get  # BlockPool.lookup, bound once
-            hashes = req.block_hashes[:num_full]
-            self._reuse_memo = (key, {i: b for i, h in enumerate(hashes) if (b := lookup(h)) is not None})
-        return dict(self._reuse_memo[1])
+        memo = self._reuse.get(req.request_id)
+        if memo is not None and len(memo[0]) == num_full:
+            return memo[1]
+        self._forget_reuse(req)
+        hashes = req.block_hashes[:num_full]
+        self._reuse[req.request_id] = (hashes, self.hbm.watch(req.request_id, hashes))
+        return self._reuse[req.request_id][1]
+
+    def _forget_reuse(self, req: Request) -> None:
+        if (memo := self._reuse.pop(req.request_id, None)) is not None:
+            self.hbm.unwatch(req.request_id, memo[0])
 
     def _dram_shared(self, req: Request, start: int, num_tokens: int) -> dict[int, int]:
         """Full blocks from `start` among `req`'s first `num_tokens` KV positions whose content
@@ -278,6 +286,7 @@ class Memory:
         self.register(req)
         self.free_hbm(req, req.hbm_blocks)
         self._num_revived.pop(req.request_id, None)
+        self._forget_reuse(req)
         req.num_hashed_blocks = 0
         self.dram.free(req.dram_blocks)
         req.hbm_blocks = []
@@ -370,6 +379,7 @@ class Memory:
         reads them)."""
         src = req.dram_blocks
         reused = self.hbm_reuse(req)
+        self._forget_reuse(req)  # `reused` stays as it is now
         self._num_revived.pop(req.request_id, None)
         for b in reused.values():
             self.hbm.revive(b)  # before allocating: allocation may evict cached blocks
