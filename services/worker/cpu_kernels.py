@@ -69,6 +69,10 @@ class CpuKernels:
             self._amx = _bind(amx, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int], restype=c_int)
             self._pack_amx = _bind(lib.pack_bf16x3, [_ptr, _i64, _i64, _ptr])
 
+    def address(self, name: str) -> int:
+        """The address of the library's function `name`, for a native caller (csrc/decode_step.c)."""
+        return ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
+
     @staticmethod
     def applies(t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and t.dtype == torch.float32

@@ -129,10 +129,17 @@ def bf16_fast() -> bool:
     return native is not None and bool(native.lib.bf16_matmul_path(0))
 
 
+_KERNELS = {4: "linear_q4", 8: "linear_q8", 16: "linear_bf16"}  # by bits per weight
+
+
+def kernel_name(kind: str) -> str:
+    """The library's matmul for weights of `kind`."""
+    return _KERNELS[_BITS[kind]]
+
+
 @functools.cache
 def _kernel(bits: int):
-    lib = cpu_kernels.kernels().lib
-    fn = {4: lib.linear_q4, 8: lib.linear_q8, 16: lib.linear_bf16}[bits]
+    fn = getattr(cpu_kernels.kernels().lib, _KERNELS[bits])
     _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker import cpu_kernels, cpu_quant
+from services.worker import cpu_kernels, cpu_quant, fused_decode
 from services.worker.attention import AttentionMetadata, paged_attention, write_kv
 from shared.modelfile import ModelConfig
 
@@ -84,6 +84,19 @@ class Linear(nn.Module):
         if self.packed is not None and (rows > self.GEMV_MAX_ROWS or self.weight is None):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+    def native(self, rows: int) -> tuple[int, int, int, int] | None:
+        """The native matmul `forward` runs for `rows` rows, for a native caller (fused_decode.py):
+        (kernel address, 1 where it returns a status, weight address, bias address or 0); None
+        where `forward` runs a torch op."""
+        bias = 0 if self.bias is None else self.bias.data_ptr()
+        if self.quant is not None:
+            return cpu_kernels.kernels().address(cpu_quant.kernel_name(self.quant.kind)), 1, self.quant.data.data_ptr(), bias
+        if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
+            return cpu_kernels.kernels().address("linear_amx_bf16x3"), 1, self.tiles.data_ptr(), bias
+        if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
+            return cpu_kernels.kernels().address("linear_panels_f32"), 0, self.panels.data_ptr(), bias
+        return None
 
 
 def _panel_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -271,6 +284,9 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(head, None) if device.type == "cpu" or not cfg.tie_embeddings else None
         # Not a buffer: `.to(dtype=bfloat16)` would round the frequencies; kept float32 per device.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        # Decode steps through csrc/decode_step.c where they qualify (the same result to the bit;
+        # off: layer by layer, as tests compare).
+        self.fused_decode = True
 
     def forward(
         self,
@@ -287,8 +303,10 @@ class LlamaModel(nn.Module):
         """
         x = F.embedding(token_ids, self.embed)  # [T, hidden]
         cos, sin = rope_cos_sin(positions, self._rope_inv_freq(positions.device), x.dtype)  # [T, D/2]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_pool[:, i], meta)
+        # A step of decodes only: every layer in one native call where it applies, else layer by layer.
+        if not (self.fused_decode and fused_decode.run(self, x, cos, sin, meta, kv_pool)):
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, kv_pool[:, i], meta)
         h = F.rms_norm(x[sample_rows], x.shape[-1:], self.norm, self.cfg.rms_norm_eps)  # [S, hidden]
         logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed)
         return logits.float()  # [S, V]

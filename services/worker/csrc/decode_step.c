@@ -1,0 +1,87 @@
+/* Every transformer layer of a decode step in one call (services/worker/fused_decode.py).
+ *
+ * A step of single-token queries at batch 1 spends a few microseconds per layer in each native
+ * kernel and as long again getting there from Python (a ctypes call, an output tensor, a module
+ * dispatch), ten times a layer. This driver calls the same kernels in the same order with the
+ * same arguments as the layer-by-layer path (model.py's DecoderLayer), so the result is the same
+ * to the bit; only the trips through Python are gone.
+ *
+ * Per layer (T rows, hidden n, H query heads, KV heads, head size D, MLP width I):
+ *   h    = rms_norm(x) * in_norm                 add_rms_norm_f32 (x += down of the layer before)
+ *   qkv  = h . Wqkv^T (+ b)         [T, (H + 2 KV) D]
+ *   rope on q and k, in place; k and v into their slots of the pool
+ *   a    = decode attention(q)      [T, H D]       paged_decode_attention_f32
+ *   x   += a . Wo^T; h = rms_norm(x) * post_norm   add_rms_norm_f32
+ *   down = silu(h . Wg^T) * (h . Wu^T) . Wd^T
+ * and x += down after the last layer. Each matmul is one of the library's linear kernels, named
+ * per layer by its address (the kernel the layer-by-layer path would pick for T rows).
+ */
+#include "kernels.h"
+
+void add_rms_norm_f32(float *x, const float *delta, const float *w, float eps, float *out, int64_t num_rows,
+                      int64_t n, int num_threads);
+void rope_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t num_rows, int64_t num_heads,
+              int64_t head_dim, int num_threads);
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t num_rows, int64_t n, int num_threads);
+void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
+                                int64_t side_stride, const int64_t *block_ids, int64_t max_blocks,
+                                const int64_t *ctx_lens, float *out, int64_t num_rows, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                int num_threads);
+
+typedef int (*linear_status_fn)(const float *, int64_t, const void *, const float *, float *, int64_t, int64_t,
+                                int64_t, int64_t, int);
+typedef void (*linear_void_fn)(const float *, int64_t, const void *, const float *, float *, int64_t, int64_t,
+                               int64_t, int64_t, int);
+
+/* Words per layer descriptor: in_norm, post_norm, then per matmul (qkv, o, gate_up, down) its
+ * kernel's address, 1 where the kernel returns a status (else void), the packed weight, the bias
+ * (0: none). */
+#define LAYER_WORDS 18
+/* dims: T, hidden, H, KV, D, I, block_size, layer_stride, block_stride, side_stride, max_blocks */
+#define NUM_DIMS 11
+
+static int matmul(const int64_t *lin, const float *x, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+    if (lin[1]) return ((linear_status_fn)lin[0])(x, K, (const void *)lin[2], (const float *)lin[3], y, N, M, N, K, threads);
+    ((linear_void_fn)lin[0])(x, K, (const void *)lin[2], (const float *)lin[3], y, N, M, N, K, threads);
+    return 0;
+}
+
+/* x: [T, n] the residual stream (updated in place); cos, sin: [T, D / 2]; kv: the pool,
+ * [blocks, layers, 2, block_size, KV, D] with the strides in dims; slot_blocks, slot_offsets: [T];
+ * block_ids: [T, max_blocks]; ctx_lens: [T]. Returns 0, or -1 without memory for the scratch or
+ * a matmul's own (the pool may then hold some of this step's K/V: a re-run writes them again). */
+int decode_layers_f32(const int64_t *layers, int64_t num_layers, const int64_t *dims, float *x, const float *cos,
+                      const float *sin, float *kv, const int64_t *slot_blocks, const int64_t *slot_offsets,
+                      const int64_t *block_ids, const int64_t *ctx_lens, float eps, float scale, int threads) {
+    const int64_t T = dims[0], n = dims[1], H = dims[2], KV = dims[3], D = dims[4], I = dims[5];
+    const int64_t block_size = dims[6], layer_stride = dims[7], block_stride = dims[8], side_stride = dims[9];
+    const int64_t max_blocks = dims[10], nqkv = (H + 2 * KV) * D;
+    float *h = malloc(sizeof(float) * T * (n + nqkv + H * D + n + 2 * I + I));
+    if (!h) return -1;
+    float *qkv = h + T * n, *attn = qkv + T * nqkv, *out = attn + T * H * D, *gu = out + T * n, *act = gu + T * 2 * I;
+    int failed = 0;
+    for (int64_t l = 0; l < num_layers && !failed; l++) {
+        const int64_t *w = layers + l * LAYER_WORDS;
+        float *kv_layer = kv + l * layer_stride;
+        add_rms_norm_f32(x, l ? out : 0, (const float *)w[0], eps, h, T, n, threads);
+        failed |= matmul(w + 2, h, qkv, T, nqkv, n, threads);
+        rope_f32(qkv, nqkv, cos, sin, T, H + KV, D, threads);
+        for (int64_t t = 0; t < T; t++) {
+            float *slot = kv_layer + slot_blocks[t] * block_stride + slot_offsets[t] * KV * D;
+            memcpy(slot, qkv + t * nqkv + H * D, sizeof(float) * KV * D);
+            memcpy(slot + side_stride, qkv + t * nqkv + (H + KV) * D, sizeof(float) * KV * D);
+        }
+        paged_decode_attention_f32(qkv, nqkv, kv_layer, block_stride, side_stride, block_ids, max_blocks, ctx_lens,
+                                   attn, T, H, KV, D, block_size, scale, threads);
+        failed |= matmul(w + 6, attn, out, T, n, H * D, threads);
+        add_rms_norm_f32(x, out, (const float *)w[1], eps, h, T, n, threads);
+        failed |= matmul(w + 10, h, gu, T, 2 * I, n, threads);
+        silu_and_mul_f32(gu, act, T, I, threads);
+        failed |= matmul(w + 14, act, out, T, n, I, threads);
+    }
+    if (!failed)
+        for (int64_t i = 0; i < T * n; i++) x[i] += out[i];
+    free(h);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,99 @@
+"""A step of single-token queries through every layer in one native call (csrc/decode_step.c).
+
+At batch 1 a layer's kernels take tens of microseconds and the trips to them from Python (a
+ctypes call, an output tensor and a module dispatch for each of ten ops) about as long again.
+`run` hands the whole stack of layers to one C function that calls the same kernels in the
+same order with the same arguments, so the residual stream and the pool come out the same to
+the bit as layer by layer (tests/worker/test_fused_decode.py); the embedding before and the
+final norm and head after stay in model.py.
+
+It applies on the CPU with the native kernels built, float32 activations and KV, no tensor
+parallelism, a step whose rows are all decodes, and every matmul one the kernels run for that
+many rows (quantized, bf16, float32 panels or AMX tiles); elsewhere `run` returns False and the
+model runs layer by layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from services.worker import cpu_kernels
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+LAYER_WORDS = 18  # csrc/decode_step.c: in_norm, post_norm, then 4 words per matmul (qkv, o, gate_up, down)
+
+
+def run(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv_pool: torch.Tensor) -> bool:
+    """x: [T, hidden], the embedded tokens, becomes the residual stream after the last layer (in
+    place) and this step's K/V go into kv_pool, as the layers would; False (nothing touched)
+    where the fused call does not apply."""
+    native = cpu_kernels.for_tensor(x)
+    num_rows = x.shape[0]
+    if native is None or not _qualifies(model, native, x, cos, sin, meta, kv_pool):
+        return False
+    layers = _descriptors(model, num_rows)
+    if layers is None:
+        return False
+    cfg, batch = model.cfg, meta.decodes
+    first = model.layers[0]
+    dims = (_i64 * 11)(
+        num_rows, cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim, cfg.intermediate_size,
+        kv_pool.shape[3], kv_pool.stride(1), kv_pool.stride(0), kv_pool.stride(2), batch.block_ids.shape[1],
+    )  # fmt: skip
+    failed = _entry(native)(
+        layers, len(model.layers), dims, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_pool.data_ptr(),
+        meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(), batch.block_ids.data_ptr(),
+        batch.context_lens.data_ptr(), first.eps, first.head_dim**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"no memory for the scratch of a {num_rows}-row decode step")
+    return True
+
+
+def _qualifies(model, native, x, cos, sin, meta, kv_pool) -> bool:
+    num_rows = x.shape[0]
+    first = model.layers[0]
+    batch = meta.decodes
+    if meta.prefills or meta.num_decodes != num_rows or batch is None or first.all_reduce is not None:
+        return False
+    if not (native.applies(kv_pool) and kv_pool.dim() == 6 and x.is_contiguous()):
+        return False
+    _, _, _, block_size, num_kv, head_dim = kv_pool.shape
+    longs = (meta.slot_blocks, meta.slot_offsets, batch.block_ids, batch.context_lens)
+    return (
+        kv_pool.stride()[3:] == (num_kv * head_dim, head_dim, 1)
+        and num_kv == first.num_kv_heads
+        and head_dim == first.head_dim
+        and first.num_heads <= native.max_heads
+        and head_dim <= native.max_head_dim
+        and all(t.dtype == torch.long and t.device.type == "cpu" and t.is_contiguous() for t in longs)
+        and all(native.applies(t) and t.is_contiguous() and t.shape == (num_rows, head_dim // 2) for t in (cos, sin))
+    )
+
+
+def _descriptors(model, num_rows: int):
+    """Every layer's norms and matmuls as csrc/decode_step.c reads them, for `num_rows` rows (cached
+    on the model per row count; the weights never move); None where a matmul would run in torch."""
+    cache = model.__dict__.setdefault("_fused_layers", {})
+    if num_rows not in cache:
+        words = []
+        for layer in model.layers:
+            mms = [m.native(num_rows) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            norms = (layer.input_norm, layer.post_norm)
+            if any(m is None for m in mms) or not all(n.dtype == torch.float32 and n.is_contiguous() for n in norms):
+                cache[num_rows] = None
+                break
+            words += [norms[0].data_ptr(), norms[1].data_ptr()] + [w for m in mms for w in m]
+        else:
+            cache[num_rows] = (_i64 * len(words))(*words)
+    return cache[num_rows]
+
+
+def _entry(native):
+    fn = native.lib.decode_layers_f32
+    if fn.argtypes is None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_ptr, _i64, _ptr] + [_ptr] * 8 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    return fn

@@ -1,0 +1,86 @@
+"""Decode steps through every layer in one native call (fused_decode.py) against the same model
+layer by layer: the same logits and the same pool, to the bit, for packed and float32 weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.worker import cpu_kernels, fused_decode
+from services.worker.attention import build_metadata
+from services.worker.model import LlamaModel
+from services.worker.runner import allocate_kv_pool
+from services.worker.weights import load_weights
+
+from .conftest import BLOCK_SIZE, blocks_for
+
+pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler for the native kernels")
+
+
+@pytest.fixture(scope="module")
+def gguf_model(model_path, cfg):
+    model = LlamaModel(cfg, load_weights(model_path, cfg, "gguf")).eval()
+    assert model.layers[0].qkv.quant is not None
+    return model
+
+
+def _steps(model, cfg, contexts: list[int], num_steps: int, fused: bool):
+    """Prefill each request alone, then `num_steps` decode steps of all of them together, over
+    scattered block tables. Returns (logits of every decode step [steps, R, V], the pool)."""
+    num_blocks = sum(blocks_for(c + num_steps) for c in contexts)
+    free = list(range(num_blocks))
+    random.Random(len(contexts)).shuffle(free)
+    tables = [[free.pop() for _ in range(blocks_for(c + num_steps))] for c in contexts]
+    pool = allocate_kv_pool(cfg, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    logits = []
+    model.fused_decode = fused
+    try:
+        with torch.inference_mode():
+            for c, table in zip(contexts, tables):
+                ids = torch.randint(0, cfg.vocab_size, (c,), generator=gen)
+                model(ids, torch.arange(c), build_metadata([0], [c], [table], BLOCK_SIZE, "cpu"), pool, torch.tensor([c - 1]))
+            for step in range(num_steps):
+                positions = [c + step for c in contexts]
+                meta = build_metadata(positions, [1] * len(contexts), tables, BLOCK_SIZE, "cpu")
+                ids = torch.randint(0, cfg.vocab_size, (len(contexts),), generator=gen)
+                logits.append(model(ids, torch.tensor(positions), meta, pool, torch.arange(len(contexts))))
+    finally:
+        model.fused_decode = True
+    return torch.stack(logits), pool
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["gguf", "float32"])
+@pytest.mark.parametrize(
+    "contexts, threads", [([37], 1), ([5, 130, 9], 2), ([3 + 2 * i for i in range(17)], 1)], ids=["1", "3", "17"]
+)
+def test_fused_decode_is_bit_identical(which, contexts, threads, gguf_model, model, cfg):
+    """17 rows: float32's matmuls take the AMX tiles where the CPU has them, panels below 16.
+    Two threads split the matmuls' panels and the attention's spans as layer by layer does."""
+    m = gguf_model if which == "gguf" else model
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused_logits, fused_pool = _steps(m, cfg, contexts, 3, fused=True)
+        ref_logits, ref_pool = _steps(m, cfg, contexts, 3, fused=False)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(fused_logits, ref_logits)
+    assert torch.equal(fused_pool, ref_pool)
+
+
+def test_fused_decode_declines_prefill_and_mixed_steps(gguf_model, cfg):
+    """A step with a prefill chunk is left to the layers: nothing written, False returned."""
+    pool = allocate_kv_pool(cfg, 8, BLOCK_SIZE, torch.float32, "cpu")
+    for num_new in ([5], [1, 5]):
+        tables = [[i] for i in range(len(num_new))]
+        meta = build_metadata([3] * len(num_new), num_new, tables, BLOCK_SIZE, "cpu")
+        rows = sum(num_new)
+        x = torch.randn(rows, cfg.hidden_size)
+        cos, sin = torch.ones(rows, cfg.head_dim // 2), torch.zeros(rows, cfg.head_dim // 2)
+        before = x.clone()
+        assert not fused_decode.run(gguf_model, x, cos, sin, meta, pool)
+        assert torch.equal(x, before) and not pool.any()
