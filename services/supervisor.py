@@ -153,6 +153,8 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
 
     envs = {"scheduler": child_env(args, flags.admin_token_arg), "gateway": child_env(args, flags.gateway_args)}
+    # A worker it restarts reads the float weights its predecessor converted (weights_cache.py).
+    envs["worker"] = dict(os.environ, **{config.WEIGHTS_CACHE_ENV: os.path.join(run_dir, "weights")})
     watch = HungWatch()
 
     def spawn(name: str) -> subprocess.Popen:

@@ -95,6 +95,9 @@ class AddRequest(_Msg, tag="add"):
     slo: SLO | None = None
     # Tokens already generated for this request (a resubmission after a failover).
     output_token_ids: list[int] = []
+    # A resubmission of a request some scheduler admitted before (a failover): the waiting-
+    # queue bounds, which keep new load out, do not refuse it.
+    resumed: bool = False
 
 
 class AbortRequest(_Msg, tag="abort"):
@@ -140,8 +143,13 @@ class StepOutputs(_Msg, tag="out"):
 class RequestError(_Msg, tag="error"):
     request_id: str
     message: str
-    # OpenAI-style error type: "invalid_request_error", "overloaded", "internal_error".
+    # OpenAI-style error type: "invalid_request_error", "overloaded", "internal_error"; or
+    # GATEWAY_SILENT, which a gateway answers by resubmitting, never showing it to a client.
     type: str = "internal_error"
+
+
+# A scheduler aborted the request because its gateway had gone silent (frozen, cut off).
+GATEWAY_SILENT = "gateway_silent"
 
 
 class SchedulerStats(_Msg, tag="stats"):

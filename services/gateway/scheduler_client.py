@@ -9,9 +9,15 @@ Failover: a scheduler is lost when its connection closes (a socket monitor repor
 once), when it goes quiet for `STALE_AFTER_S`, or when it comes back as a new instance (a
 new `scheduler_id`). Its requests are not failed: each handle keeps the request and the
 tokens streamed so far, and is resubmitted — prompt plus those tokens, under a fresh wire
-id — to the best scheduler that reports in within `failover_grace_s`; the client's stream
-just pauses. Only past the grace period does a request fail ("service_unavailable"). The
-lost scheduler, if it ever answers again, is first told to abort what it still runs for us.
+id — to the best scheduler with a ready worker or, while none has one, to one that is there
+and is getting its worker back (it holds the request, for at most its `--worker-wait`: a
+worker restart is a recovery in progress, not a lost request). The client's stream just
+pauses. Only when no scheduler is reachable for `failover_grace_s` does the request fail
+("service_unavailable", with the last refusal it got, if any). A request held by a scheduler
+without a worker moves to one with a ready worker as soon as there is one. The lost
+scheduler, if it ever answers again, is first told to abort what it still runs for us; one
+that aborted our requests because it took this gateway for gone (`GATEWAY_SILENT`: we were
+frozen, or cut off) gets them back.
 
 Routing: `pick()` sends each new request to the live scheduler with the lowest
 `headroom_score` (headroom.py: the formula is documented there, once), ties taken round-robin. A
@@ -38,10 +44,12 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from services.gateway.errors import unavailable
+from services.gateway.request_handle import RequestHandle
 from services.gateway.headroom import headroom_score, num_blocks
 from shared import zmqsec
 from shared.config import DEFAULT_FAILOVER_GRACE_S, ZMQ_HWM, ZMQ_LINGER_MS
 from shared.protocol import (
+    GATEWAY_SILENT,
     AbortRequest,
     AddRequest,
     GatewayHello,
@@ -65,39 +73,6 @@ Reply = TokenOutput | RequestError
 RETRY_ELSEWHERE = ("overloaded", "service_unavailable")
 
 
-class RequestHandle:
-    """One submitted request's replies, in order; the last is final.
-
-    It outlives its scheduler: `token_ids` (what the client has been sent) and `req` are
-    all a resubmission needs. Each submission goes out under its own wire id (the request
-    id, then `<id>~<n>` for the n-th resubmission), so late replies from a lost scheduler
-    never reach the new attempt."""
-
-    def __init__(self, req: AddRequest, link: SchedulerLink) -> None:
-        self.req = req
-        self.request_id = req.request_id
-        self.link = link
-        self.wire_id = req.request_id
-        self.num_submissions = 1
-        self.token_ids: list[int] = []  # streamed so far
-        self.lost_at: float | None = None  # its scheduler was lost; cleared by the next token
-        self.queue: asyncio.Queue[Reply] = asyncio.Queue()  # bounded by max_tokens
-
-    async def get(self) -> Reply:
-        return await self.queue.get()
-
-    def resubmission(self) -> AddRequest:
-        """The request as a new scheduler must see it: its prompt plus what was streamed."""
-        self.wire_id = f"{self.request_id}~{self.num_submissions}"
-        self.num_submissions += 1
-        return msgspec.structs.replace(
-            self.req, request_id=self.wire_id, output_token_ids=[*self.req.output_token_ids, *self.token_ids]
-        )
-
-    def num_generated(self) -> int:
-        return len(self.req.output_token_ids) + len(self.token_ids)
-
-
 class SchedulerLink:
     """One scheduler: its socket, its latest load report, and the requests it serves."""
 
@@ -119,6 +94,10 @@ class SchedulerLink:
 
     def routable(self, now: float) -> bool:
         return self.is_live(now) and self.stats.worker_ready
+
+    def holds(self, now: float) -> bool:
+        """There, not draining, its worker not ready: it holds a resubmission until one is."""
+        return self.is_live(now) and not self.stats.worker_ready and not self.stats.draining
 
     def score(self) -> float:
         return headroom_score(self.stats, self.num_unreported, self.num_unreported_blocks)
@@ -246,6 +225,11 @@ class SchedulerClient:
             self._next = (best_index + 1) % num_links
         return best
 
+    def _holder(self, now: float, handle: RequestHandle) -> SchedulerLink | None:
+        """A scheduler getting its worker back, to hold a resubmission while none is ready
+        (not one that held it in vain already)."""
+        return next((link for link in self.links if link.holds(now) and link.addr not in handle.refused_by), None)
+
     def submit(self, req: AddRequest, link: SchedulerLink) -> RequestHandle:
         """Send to `link`; if its connection is gone, it leaves the rotation and the next
         best scheduler gets the request (503 when none is left)."""
@@ -353,13 +337,21 @@ class SchedulerClient:
         handle = self._pending.get(wire_id)
         if handle is None:
             return  # aborted, finished or resubmitted: nothing waits for it here
+        if isinstance(reply, RequestError) and reply.type == GATEWAY_SILENT:
+            self._unpend(handle)  # aborted there while we were silent: it goes out again now
+            self._orphan(handle, time.monotonic())
+            return
         if isinstance(reply, RequestError) and handle.lost_at is not None and reply.type in RETRY_ELSEWHERE:
             self._unpend(handle)  # a resubmission refused for now: try again within the grace period
+            handle.last_refusal = reply.message
+            handle.refused_by.add(handle.link.addr)
             self._orphans[handle.request_id] = handle
+            handle.orphaned_at = handle.orphaned_at or time.monotonic()
             return
         if isinstance(reply, TokenOutput):
             handle.token_ids += reply.token_ids
-            handle.lost_at = None
+            handle.lost_at = handle.orphaned_at = handle.last_refusal = None
+            handle.refused_by.clear()
         if handle.wire_id != handle.request_id:
             reply = msgspec.structs.replace(reply, request_id=handle.request_id)
         handle.queue.put_nowait(reply)
@@ -377,23 +369,46 @@ class SchedulerClient:
         log.error("scheduler_lost", scheduler=link.addr, reason=reason, num_requests=len(link.request_ids))
         now = time.monotonic()
         for wire_id in link.request_ids:
-            handle = self._pending.pop(wire_id)
-            handle.lost_at = handle.lost_at or now
-            self._orphans[handle.request_id] = handle
+            self._orphan(self._pending.pop(wire_id), now)
         link.abandoned |= link.request_ids
         link.request_ids.clear()
 
+    def _orphan(self, handle: RequestHandle, now: float) -> None:
+        """`handle` is at no scheduler from `now`: a fresh failover grace."""
+        handle.lost_at = handle.lost_at or now
+        handle.orphaned_at = now
+        self._orphans[handle.request_id] = handle
+
+    def _migrate_held(self, now: float) -> None:
+        """Requests held by a scheduler whose worker is not ready go to one whose worker is,
+        as soon as there is one (the holding scheduler is told to abort them)."""
+        if not any(link.routable(now) and link.score() < math.inf for link in self.links):
+            return
+        for link in self.links:
+            if link.stats is None or link.stats.worker_ready or not link.request_ids:
+                continue
+            log.warning("requests_moved", scheduler=link.addr, reason="worker not ready", num=len(link.request_ids))
+            for wire_id in list(link.request_ids):
+                handle = self._pending[wire_id]
+                self._unpend(handle)
+                if not self._send(link, AbortRequest(request_id=wire_id)):
+                    link.abandoned.add(wire_id)
+                self._orphan(handle, now)
+
     def _resubmit_orphans(self, now: float) -> None:
-        """Oldest first, each to the best scheduler now; past the grace period, an error."""
+        """Oldest first, each to the best scheduler with a ready worker, else to one getting
+        its worker back; past the grace period, an error."""
         for handle in list(self._orphans.values()):
             if handle.num_generated() >= handle.req.params.max_tokens:  # only its final word was lost
                 self._forget(handle)
                 handle.queue.put_nowait(TokenOutput(handle.request_id, [], "length"))
-            elif now - handle.lost_at > self.failover_grace_s:
+            elif now - handle.orphaned_at > self.failover_grace_s:
                 self._forget(handle)
                 message = f"its scheduler was lost and none took it back within {self.failover_grace_s:g}s"
+                if handle.last_refusal:
+                    message += f"; the last refusal: {handle.last_refusal}"
                 handle.queue.put_nowait(RequestError(handle.request_id, message, "service_unavailable"))
-            elif (link := self._best()) is not None:
+            elif (link := self._best() or self._holder(now, handle)) is not None:
                 req = handle.resubmission()
                 if not self._send(link, req):
                     link.unreachable = True
@@ -412,6 +427,7 @@ class SchedulerClient:
                     self._send_hello(link, now)
                 if link.stats is not None and now - link.last_seen >= STALE_AFTER_S:
                     self._lose(link, "it stopped responding")
+            self._migrate_held(now)
             if self._orphans:
                 self._resubmit_orphans(now)
             await asyncio.sleep(RETRY_HELLO_S)

@@ -20,6 +20,9 @@ from shared import config, protocol as p
 STEP_TIMEOUT_S = 2.0  # a step result later than this (at least) means the worker is lost
 STEP_TIMEOUT_FACTOR = 10.0  # ... or this many median recent steps, when steps are slow
 FIRST_STEP_TIMEOUT_S = 30.0  # before any step is measured: warm-up and first prefills are slow
+# A request held while no worker is ready fails after this long (a worker that restarts loads
+# its model first: ~11 s on an idle 2-core host, 30-100 s on a busy one).
+WORKER_WAIT_S = 120.0
 NUM_STEP_SAMPLES = 64
 
 
@@ -75,6 +78,7 @@ class Held:
     req: p.AddRequest
     arrival: float
     resumed: bool = False
+    held_at: float = 0.0  # since when it waits for a worker (WORKER_WAIT_S)
 
 
 def resubmission(r: Request) -> p.AddRequest:
@@ -95,12 +99,14 @@ class WorkerLink:
     reset that brings a frozen or failed one back without a restart (service.py's docstring)."""
 
     def __init__(self, sock: zmq.asyncio.Socket, cfg: SchedulerConfig, log, pipeline_depth: int | None,
-                 step_timeout_s: float) -> None:  # fmt: skip
+                 step_timeout_s: float, worker_wait_s: float = WORKER_WAIT_S) -> None:  # fmt: skip
         self.sock = sock
         self.cfg = cfg
         self.log = log
         self.pipeline_depth = pipeline_depth  # None: by the worker's device (config.default_pipeline_depth)
         self.step_timeout_s = step_timeout_s
+        self.worker_wait_s = worker_wait_s
+        self.lost_reason: str | None = None  # why the last worker was lost
         self.worker: p.WorkerReady | None = None
         self.driver: Driver | None = None  # with a ready worker: its core and the plans in flight
         self.held: list[Held] = []  # requests waiting for a ready worker, oldest first
@@ -111,15 +117,27 @@ class WorkerLink:
 
     def hold(self, identity: bytes, req: p.AddRequest, now: float) -> str | None:
         """Keep a new request until a worker is ready, within the same admission bounds as
-        the core's waiting queue (resumed requests were admitted already: they do not count).
-        Returns the refusal, if any."""
-        new = [h.req for h in self.held if not h.resumed]
+        the core's waiting queue (resumed requests were admitted already, here or, for a
+        gateway's resubmission, elsewhere: they do not count). Returns the refusal, if any."""
+        new = [h.req for h in self.held if not (h.resumed or h.req.resumed)]
         num_tokens = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in new)
         own = len(req.prompt_token_ids) + len(req.output_token_ids)
-        if refusal := self.cfg.admission_refusal(len(new), num_tokens, own):
+        if not req.resumed and (refusal := self.cfg.admission_refusal(len(new), num_tokens, own)):
             return refusal
-        self.held.append(Held(identity, req, now))
+        self.held.append(Held(identity, req, now, held_at=now))
         return None
+
+    def expired(self, now: float) -> list[Held]:
+        """The held requests that waited WORKER_WAIT_S for a worker in vain (none is held
+        any more): each fails with `wait_message()`."""
+        late = [h for h in self.held if now - h.held_at > self.worker_wait_s]
+        if late:
+            self.held = [h for h in self.held if now - h.held_at <= self.worker_wait_s]
+        return late
+
+    def wait_message(self) -> str:
+        last = f"the last one was lost: {self.lost_reason}" if self.lost_reason else "none has connected yet"
+        return f"no model worker was ready within {self.worker_wait_s:g}s ({last})"
 
     def connect(self, ready: p.WorkerReady, send) -> list[Held]:
         """A fresh core and driver for `ready` (empty pools). Returns the held requests to
@@ -161,9 +179,13 @@ class WorkerLink:
         to drop everything and announce itself again once it gets to it."""
         core = self.driver.core if self.driver is not None else None
         live = sorted(core.requests.values(), key=lambda r: r.seq) if core else []
-        resumed = [Held(owner[r.request_id], resubmission(r), r.arrival, True) for r in live if r.request_id in owner]
+        now = time.monotonic()
+        resumed = [
+            Held(owner[r.request_id], resubmission(r), r.arrival, True, now) for r in live if r.request_id in owner
+        ]
         self.held = resumed + self.held
         self.num_losses += 1
+        self.lost_reason = reason
         self.driver = None
         self.log.error("worker lost; holding live requests for the next worker", reason=reason,
                        num_held=len(resumed), reset=reset)  # fmt: skip

@@ -18,7 +18,8 @@ steps in flight at the crash were never streamed, so they are simply computed ag
 worker seeds sampling per position, so outputs match an undisturbed run. An overdue worker
 is also sent `ResetWorker`: one that was only frozen (SIGSTOP, swapped out) answers it, once
 it runs again, with a new `WorkerReady`, so no supervisor is needed to serve again; its
-late results are for plans no longer in flight and are dropped (no token is sent twice).
+late results are for plans no longer in flight and are dropped (no token is sent twice). A
+request held WORKER_WAIT_S in vain (resubmissions from gateways are held too) fails, naming why.
 
 A step that raises fails only the requests that make it raise (the worker re-runs it, then
 isolates them: `StepResult.failed`), each with an error naming the fault. A step whose copies
@@ -45,7 +46,7 @@ from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
 from services.scheduler.metrics import Flight, trace_line
-from services.scheduler.recovery import STEP_TIMEOUT_S, Held, WorkerLink, out_of_vocab, send_now
+from services.scheduler.recovery import STEP_TIMEOUT_S, WORKER_WAIT_S, Held, WorkerLink, out_of_vocab, send_now
 from shared import config, protocol as p, zmqsec
 
 MAX_RECV_PER_TICK = 256
@@ -73,6 +74,7 @@ class SchedulerService:
         admin_token: str | None = None,
         step_timeout_s: float = STEP_TIMEOUT_S,
         zmq_keys: str | None = None,
+        worker_wait_s: float = WORKER_WAIT_S,
     ) -> None:
         self.cfg = cfg
         self.log = log
@@ -85,7 +87,7 @@ class SchedulerService:
         self.admin_token = admin_token
         self.observer = admin.Observer(log, time.monotonic())
         self._draining = False
-        self.link = WorkerLink(self.back, cfg, log, pipeline_depth, step_timeout_s)
+        self.link = WorkerLink(self.back, cfg, log, pipeline_depth, step_timeout_s, worker_wait_s)
         self.owner: dict[str, bytes] = {}  # request_id -> gateway identity
         self.gateways: dict[bytes, float] = {}  # identity -> when it was last heard from
         self.idle = True  # nothing in flight and nothing to schedule
@@ -106,10 +108,6 @@ class SchedulerService:
     @property
     def held(self) -> list[Held]:
         return self.link.held
-
-    @held.setter
-    def held(self, value: list[Held]) -> None:
-        self.link.held = value
 
     @property
     def draining(self) -> bool:
@@ -200,7 +198,7 @@ class SchedulerService:
         """Abort a live or pending request (its gateway is told: an "abort" finish, or the
         error `why`); False if there is none."""
         told = [h.identity for h in self.held if h.req.request_id == rid]
-        self.held = [h for h in self.held if h.req.request_id != rid]
+        self.link.held = [h for h in self.held if h.req.request_id != rid]
         now = time.monotonic()
         out = self.core.abort_request(rid, now) if self.core else None
         owner = self.owner.pop(rid, None)
@@ -210,7 +208,7 @@ class SchedulerService:
             told += [owner] if owner is not None else []
         for identity in told:
             ended = p.StepOutputs([out or p.TokenOutput(rid, [], "abort")])
-            self._reply(identity, p.RequestError(rid, why, "service_unavailable") if why else ended)
+            self._reply(identity, p.RequestError(rid, why, p.GATEWAY_SILENT) if why else ended)
         return out is not None or bool(told)
 
     def _forget_silent_gateways(self) -> None:
@@ -221,7 +219,7 @@ class SchedulerService:
             orphans += [h.req.request_id for h in self.held if h.identity == identity]
             self.log.warning("gateway gone; aborting its requests", gateway=identity.decode(errors="replace"),
                              num_requests=len(orphans))
-            # Said as an error, not a finish: a gateway that was only frozen tells its clients why.
+            # An error, not a finish: a gateway that was only frozen (or cut off) resubmits them.
             why = f"aborted by the scheduler: its gateway was silent for over {GATEWAY_STALE_S:g}s"
             for rid in orphans:
                 self.abort(rid, why)
@@ -235,7 +233,7 @@ class SchedulerService:
             self._refuse(identity, req.request_id, bad, "invalid_request_error")
             return
         try:
-            self.core.add_request(req, now)
+            self.core.add_request(req, now, admitted=arrival is not None or req.resumed)  # held, or resubmitted
         except Overloaded as e:
             self._refuse(identity, req.request_id, str(e), "overloaded")
             return
@@ -245,8 +243,10 @@ class SchedulerService:
         self.owner[req.request_id] = identity
         self.observer.added(self.core.requests[req.request_id], now)
 
-    def _refuse(self, identity: bytes, rid: str, message: str, kind: str) -> None:
+    def _refuse(self, identity: bytes, rid: str, message: str, kind: str, forget: bool = False) -> None:
         self.log.info("request_refused", request_id=rid, type=kind, error=message)
+        if forget:  # it had been live here
+            self.owner.pop(rid, None)
         self._reply(identity, p.RequestError(rid, message, kind))
 
     def _reply(self, identity: bytes, msg) -> None:
@@ -280,8 +280,7 @@ class SchedulerService:
     def _on_worker_error(self, err: p.WorkerError) -> None:
         """A step failed whole (its copies raised): the worker is reset and every live request
         resumed on it, or failed once MAX_FAILED_STEPS came in a row."""
-        driver = self.driver
-        if driver is None or not driver.in_flight or driver.in_flight[0].step_id != err.step_id:
+        if (driver := self.driver) is None or not driver.in_flight or driver.in_flight[0].step_id != err.step_id:
             self.log.warning("worker error for a step not in flight", step_id=err.step_id, error=err.message)
             return
         self.link.num_failed_steps += 1
@@ -312,16 +311,17 @@ class SchedulerService:
         try:
             self.core.add_request(h.req, h.arrival, admitted=True)
         except ValueError as e:  # the new worker is smaller than the old one
-            self.owner.pop(h.req.request_id, None)
-            self._refuse(h.identity, h.req.request_id, str(e), "internal_error")
+            self._refuse(h.identity, h.req.request_id, str(e), "internal_error", forget=True)
             return
         self.owner[h.req.request_id] = h.identity
 
     def _check_worker(self) -> None:
-        """Declare the worker lost when the oldest plan's result is overdue, and ask it to
-        reset should it be merely frozen."""
-        if reason := self.link.overdue(time.monotonic()):
+        """Lose (and reset) the worker when the oldest plan's result is overdue; fail what waited for one in vain."""
+        now = time.monotonic()
+        if reason := self.link.overdue(now):
             self._lose_worker(reason, reset=True)
+        for h in self.link.expired(now):  # waited for a worker in vain
+            self._refuse(h.identity, h.req.request_id, self.link.wait_message(), "service_unavailable", forget=True)
 
     def _lose_worker(self, reason: str, reset: bool = False) -> None:
         """Hold every live request for the next worker; fail nothing."""

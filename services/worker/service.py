@@ -34,13 +34,13 @@ import torch
 import zmq
 import zmq.asyncio
 
-from services.worker import cpu_kernels, cpu_quant, tp
+from services.worker import cpu_kernels, cpu_quant, tp, weights_cache
 from services.worker.kv_pool import KVPools, KVSpec, num_dram_blocks, num_hbm_blocks
 from services.worker.executor import StepExecutor
 from services.worker.faults import FAULTS_ENV, Faults
 from services.worker.faults import refusal as fault_refusal
 from services.worker.grammar import GrammarCompiler
-from services.worker.runner import ModelRunner, load_model
+from services.worker.runner import ModelRunner
 from services.worker.tp import TPGroup
 from services.worker.transfer import TransferEngine, measure_copy_gbps
 from services.worker.weights import gguf_quantization
@@ -209,7 +209,7 @@ def build_worker(
     """Model, both KV pools, transfer engine and runner of one rank (the only one without
     `group`). Pool sizes are agreed over the group, so a block id means the same everywhere."""
     path = resolve_model_path(args.model)
-    model, cfg = load_model(path, device, resolve_dtype(args.dtype, device, path), group=group)
+    model, cfg = weights_cache.load_model(path, device, resolve_dtype(args.dtype, device, path), group=group)
     spec = KVSpec.from_model(cfg, args.block_size, dtype=next(model.parameters()).dtype)
     num_ranks = 1 if group is None else group.num_ranks
     # Ranks on one host share its RAM: size host pools by the whole KV (all ranks' heads).

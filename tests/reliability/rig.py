@@ -178,13 +178,13 @@ class Rig:
     worker_addr: str
 
 
-async def run_rig(tmp_path, scenario, step_timeout_s: float = 0.3, **cfg):
+async def run_rig(tmp_path, scenario, step_timeout_s: float = 0.3, worker_wait_s: float = 120.0, **cfg):
     """Start the service and a gateway; `scenario(rig)` starts and kills workers."""
     cfg = SchedulerConfig(**{"max_batched_tokens": 32, **cfg})
     addr = lambda name: f"ipc://{tmp_path}/{name}.sock"  # noqa: E731
     service = SchedulerService(
         cfg, addr("sched"), addr("worker"), setup_logging("scheduler", "warning"),
-        admin_bind="off", step_timeout_s=step_timeout_s,
+        admin_bind="off", step_timeout_s=step_timeout_s, worker_wait_s=worker_wait_s,
     )
     loop_task = asyncio.create_task(service.run())
     ctx = zmq.asyncio.Context()
