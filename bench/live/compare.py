@@ -42,7 +42,7 @@ from pathlib import Path
 from bench.live import pressure
 from bench.live.serve import first_model, replay, tokenizer_path
 from bench.live.server import REPO, Launched, LaunchError, answers_ready, launch
-from bench.live.workload import SyntheticSpec, WorkItem, load_workload, synthetic_items
+from bench.live.workload import SyntheticSpec, WorkItem, add_chat_arguments, chat_spec, load_workload, synthetic_items
 from bench.report.metrics import RequestRecord, format_summary, summarize
 from bench.report.rows import dig
 from services.scheduler.core import SchedulerConfig
@@ -123,6 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tbt-slo", type=float, default=SchedulerConfig.tbt_slo, help="S_B in seconds (default %(default)s)"
     )
     pressure.add_arguments(g)
+    add_chat_arguments(p)
 
 
 def usage_error(args: argparse.Namespace) -> str | None:
@@ -206,11 +207,13 @@ def build_workloads(args, tokenizer_file: Path) -> Workloads:
     rated = sweep = None
     if args.rates is not None:
         sweep = [
-            (rate, b, load_workload("sharegpt", args.num_requests, rate, tokenizer, b, args.seed))
+            (rate, b, load_workload("sharegpt", args.num_requests, rate, tokenizer, b, args.seed, chat=chat_spec(args)))
             for rate, b in pressure.runs_of(args)
         ]  # fmt: skip
     elif "sharegpt" in args.workloads:
-        rated = load_workload("sharegpt", args.num_requests, args.rate, tokenizer, args.burstiness[0], args.seed)
+        rated = load_workload(
+            "sharegpt", args.num_requests, args.rate, tokenizer, args.burstiness[0], args.seed, chat=chat_spec(args)
+        )
     return Workloads(tokenizer_file, probe, rated, sweep)
 
 
