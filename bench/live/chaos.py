@@ -11,10 +11,19 @@ fail a step and cut off from each other, and check that nothing accepted is lost
    that raises once and a request that raises until it is failed), on a seeded random target.
 4. Every request ends as refused (429/503 before any token, or no gateway listening: never
    accepted), completed (every token, [DONE]) or failed (with the reason the client got);
-   completed ones are compared with the reference text ("identical").
-5. Time to recover, per fault: from its end (the kill, the SIGCONT, the reconnection) until
-   every stream it stalled (open at its start and silent for over `--stall-s`) flows again;
-   0 when it stalled none.
+   completed ones are compared with the reference text ("identical"). A request whose
+   connection is cut after it was accepted (its gateway killed: no server keeps a TCP stream
+   alive through its process's death) is retried from scratch as an OpenAI client retries a
+   connection error (`--client-retries`, backoff 0.5 s doubling to 8 s), on the next gateway;
+   it counts as accepted once, and completed ones that needed a retry are shown apart.
+5. Time to recover, per fault, from its end (the kill, the SIGCONT, the reconnection), over
+   the streams it stalled (open at its start, or sent before `--stall-s` after its end, and
+   silent across it for over `--stall-s`):
+   until the first of them flows again (the service is back: the headline p50/max), and until
+   the last does. A stream counts for the fault that stalled it only up to the next fault's
+   start: one still silent then (or failed) leaves the fault "unrecovered" (counted as
+   infinitely slow in the p50/max, never dropped), and is the next fault's. 0 when it
+   stalled none.
 6. At idle, each scheduler's admin socket: live requests and KV blocks still in use (leaked),
    both must be 0; RSS of all server processes at the end within 5% of the start (after the
    reference phase, at idle).
@@ -28,13 +37,10 @@ import argparse
 import asyncio
 import json
 import random
-import re
-import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -42,13 +48,14 @@ import aiohttp
 from bench.live import server
 from bench.live.chaos_rig import Fault, ReplicatedRig, Rig, ServeRig
 from bench.live.serve import request_body, send
+from bench.live.chaos_verdict import Sent, classify, completed, goals, is_cut, refused, tally
 from bench.live.soak import chunk_times, num
 from bench.live.watch import idle_state, wait_idle
 from bench.live.workload import WorkItem, arrival_times, sample_sharegpt, sharegpt_conversations
 from bench.report.metrics import RequestRecord
 
-RSS_GOAL_PCT = 5.0
 KINDS = ("kill", "stop", "raise", "cut")
+RETRY_DELAY_S, MAX_RETRY_DELAY_S = 0.5, 8.0  # the OpenAI client's backoff
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-s", type=float, default=8.0, help="how long a SIGSTOP lasts (default %(default)s)")
     p.add_argument("--cut-s", type=float, default=8.0, help="how long a gateway is cut off (default %(default)s)")
     p.add_argument("--stall-s", type=float, default=2.0, help="a stream silent this long was stalled by a fault")
+    p.add_argument("--client-retries", type=int, default=5,
+                   help="retries of a request whose connection was cut (default %(default)s)")  # fmt: skip
     p.add_argument("--clients", type=int, default=8, help="reference phase concurrency (default %(default)s)")
     p.add_argument("--num-prompts", type=int, default=32, help="ShareGPT prompts, cycled (default %(default)s)")
     p.add_argument("--max-prompt", type=int, default=256, help="longest prompt kept, tokens (default %(default)s)")
@@ -80,28 +89,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- the load
 
 
-# Answers that refuse a request at the door (never accepted): admission bounds, nothing ready
-# to serve it, no gateway listening. A 503 later on ("its scheduler was lost ...") is a failure.
-REFUSALS = ("HTTP 429", "no model worker is ready", "no scheduler is reachable", "ClientConnectorError")
+def retry_delay_s(num_retries: int, rng: random.Random) -> float:
+    """Before retry number `num_retries` + 1, as the OpenAI client waits (with its jitter)."""
+    return min(RETRY_DELAY_S * 2.0**num_retries, MAX_RETRY_DELAY_S) * (1.0 - 0.25 * rng.random())
 
 
-def classify(r: RequestRecord) -> str:
-    if r.ok and r.output_tokens == r.expected_output_tokens:
-        return "completed"
-    if r.ttft_s is None and any(x in (r.error or "") for x in REFUSALS):
-        return "refused"
-    return "failed"
-
-
-def reason(r: RequestRecord) -> str:
-    """The failure as the client was told it, ids and numbers left out so that alike ones group."""
-    err = r.error or f"finished with {r.output_tokens} of {r.expected_output_tokens} tokens"
-    return re.sub(r"(cmpl|chatcmpl)-[0-9a-f]+(~\d+)?", "<id>", err)[:160]
-
-
-async def one(session, url: str, model: str, item: WorkItem, t0: float, texts: list[str]) -> RequestRecord:
+async def one(session, urls: list[str], k: int, model: str, item: WorkItem, t0: float, texts: list[str],
+              retries: int = 0) -> Sent:  # fmt: skip
+    """Send `item` at its arrival time to gateway `k`; a connection cut under it is retried
+    from scratch on the next gateway (texts of a cut attempt dropped)."""
     await asyncio.sleep(max(0.0, t0 + item.arrival_s - time.perf_counter()))
-    return await send(session, url + "/v1/completions", request_body(model, item, True), item, t0, texts)
+    body, rng = request_body(model, item, True), random.Random(f"{k}-{item.arrival_s}")
+    record = await send(session, urls[k % len(urls)] + "/v1/completions", body, item, t0, texts)
+    first_start_s, num_retries = record.start_s, 0
+    while num_retries < retries and not completed(record) and (num_retries or is_cut(record)):
+        if not (is_cut(record) or refused(record)):
+            break  # the server answered it (an error it reports): no client retries that
+        await asyncio.sleep(retry_delay_s(num_retries, rng))
+        num_retries += 1
+        texts.clear()
+        record = await send(session, urls[(k + num_retries) % len(urls)] + "/v1/completions", body, item, t0, texts)
+    return Sent(record, num_retries, first_start_s, time.perf_counter() - t0)
 
 
 async def reference_phase(session, rig: Rig, model: str, pool: list[WorkItem], clients: int) -> tuple[list[str], float]:
@@ -114,7 +122,7 @@ async def reference_phase(session, rig: Rig, model: str, pool: list[WorkItem], c
     async def client(c: int) -> None:
         for i in todo:
             item = replace(pool[i], arrival_s=0.0)
-            records[i] = await one(session, rig.urls[c % len(rig.urls)], model, item, t0, texts[i])
+            records[i] = (await one(session, rig.urls, c, model, item, t0, texts[i])).record
 
     await asyncio.gather(*(client(c) for c in range(clients)))
     elapsed = time.perf_counter() - t0
@@ -153,7 +161,7 @@ async def chaos_phase(session, rig: Rig, model: str, pool: list[WorkItem], rate:
     faults: list[Fault] = []
     t0 = time.perf_counter()
     print(f"chaos: {rate:.3f} req/s for {args.duration:g} s ({len(items)} requests)", file=sys.stderr, flush=True)
-    tasks = [asyncio.create_task(one(session, rig.urls[i % len(rig.urls)], model, it, t0, texts[i]))
+    tasks = [asyncio.create_task(one(session, rig.urls, i, model, it, t0, texts[i], args.client_retries))
              for i, it in enumerate(items)]  # fmt: skip
     tender = asyncio.create_task(rig.tend())
     await fault_schedule(rig, args, t0, faults)
@@ -162,79 +170,14 @@ async def chaos_phase(session, rig: Rig, model: str, pool: list[WorkItem], rate:
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    records = []
-    for task, item in zip(tasks, items, strict=True):
-        if task in done:
-            records.append(task.result())
-        else:
-            records.append(RequestRecord(False, prompt_tokens=item.prompt_tokens, arrival_s=item.arrival_s,
-                                         expected_output_tokens=item.output_tokens,
-                                         error="still open after the drain timeout"))  # fmt: skip
+    end_s = time.perf_counter() - t0
+    sent = [task.result() if task in done else Sent(
+        RequestRecord(False, prompt_tokens=item.prompt_tokens, arrival_s=item.arrival_s,
+                      expected_output_tokens=item.output_tokens, error="still open after the drain timeout"),
+        first_start_s=item.arrival_s, end_s=end_s) for task, item in zip(tasks, items, strict=True)]  # fmt: skip
     await asyncio.sleep(5.0)  # a last restart settles before the idle checks
     tender.cancel()
-    return items, records, ["".join(t) for t in texts], faults
-
-
-# ---------------------------------------------------------------- the verdict
-
-
-def recovery_s(fault: Fault, records: list[RequestRecord], stall_s: float) -> float | None:
-    """From the fault's end until every stream it stalled flows again (see the docstring);
-    None when a stream it stalled never did (it failed)."""
-    worst: float | None = 0.0
-    for r in records:
-        times = chunk_times(r)
-        if not times or r.start_s >= fault.start_s or times[-1] < fault.start_s:
-            continue
-        after = [t for t in times if t > fault.start_s]
-        before = [t for t in times if t <= fault.start_s] or [r.start_s]
-        if after and after[0] - before[-1] > stall_s:
-            resumed = next((t for t in after if t > fault.end_s), None)
-            if resumed is None or classify(r) != "completed" or worst is None:
-                worst = None if classify(r) != "completed" else worst
-            else:
-                worst = max(worst, resumed - fault.end_s)
-    return worst
-
-
-def tally(items, records, texts, reference, pool_index, faults, stall_s) -> dict:
-    kinds = [classify(r) for r in records]
-    completed = [i for i, k in enumerate(kinds) if k == "completed"]
-    differ = [i for i in completed if texts[i] != reference[pool_index[i]]]
-    mismatches = [{"request": i, "prompt": pool_index[i], "start_s": round(records[i].start_s, 2),
-                   "text": texts[i], "reference": reference[pool_index[i]]} for i in differ]  # fmt: skip
-    recov = {f"{f.kind}@{f.start_s:.0f}s": recovery_s(f, records, stall_s) for f in faults}
-    values = [v for v in recov.values() if v is not None]  # the faults after which every stalled stream resumed
-    return {
-        "sent": len(records),
-        "accepted": len(records) - kinds.count("refused"),
-        "refused": kinds.count("refused"),
-        "completed": len(completed),
-        "failed": kinds.count("failed"),
-        "identical": len(completed) - len(differ),
-        "mismatches": mismatches,
-        "failures": dict(Counter(reason(r) for r, k in zip(records, kinds) if k == "failed").most_common()),
-        "refusals": dict(Counter(reason(r) for r, k in zip(records, kinds) if k == "refused").most_common()),
-        "faults_by_kind": dict(Counter(f.kind for f in faults)),
-        "faults": [asdict(f) for f in faults],
-        "recovery_s": recov,
-        "recovery_p50_s": statistics.median(values) if values else None,
-        "recovery_max_s": max(values) if values else None,
-        "faults_with_failed_streams": sum(v is None for v in recov.values()),
-    }
-
-
-def goals(r: dict) -> dict[str, bool]:
-    acc = max(1, r["accepted"])
-    return {
-        "every accepted request ended": r["completed"] + r["failed"] == r["accepted"]
-        and "still open after the drain timeout" not in r["failures"],
-        ">= 99% completed": r["completed"] / acc >= 0.99,
-        "completed identical": r["identical"] == r["completed"],
-        "zero leaked blocks": r["leaked_blocks"] == 0 and r["live_requests_at_idle"] == 0,
-        f"memory within {RSS_GOAL_PCT:g}%": r["rss_growth_pct"] is not None and abs(r["rss_growth_pct"]) <= RSS_GOAL_PCT,
-        "recovery p50 <= 5 s": r["recovery_p50_s"] is not None and r["recovery_p50_s"] <= 5.0,
-    }
+    return items, sent, ["".join(t) for t in texts], faults, end_s
 
 
 async def idle_checks(rig: Rig, timeout_s: float) -> tuple[int, int]:
@@ -254,7 +197,7 @@ async def chaos(rig: Rig, model: str, pool: list[WorkItem], args) -> dict:
         capacity = args.capacity or measured
         await idle_checks(rig, args.idle_timeout)
         rss_start = rig.rss()
-        items, records, texts, faults = await chaos_phase(session, rig, model, pool, args.load * capacity, args)
+        items, sent, texts, faults, end_s = await chaos_phase(session, rig, model, pool, args.load * capacity, args)
     live, leaked = await idle_checks(rig, args.idle_timeout)
     rss_end = rig.rss()
     # A process restarted by a fault is a new process: memory is compared over those that lived through.
@@ -267,7 +210,10 @@ async def chaos(rig: Rig, model: str, pool: list[WorkItem], args) -> dict:
         "measured_capacity_req_s": measured,
         "offered_req_s": args.load * capacity,
         "duration_s": args.duration,
-        **tally(items, records, texts, reference, pool_index, faults, args.stall_s),
+        **tally(items, sent, texts, reference, pool_index, faults, args.stall_s, end_s),
+        # Each request as the client saw it: first sent, ended, retries, its last attempt's chunks (s).
+        "timeline": [[round(s.first_start_s, 2), round(s.end_s, 2), s.num_retries,
+                      [round(t, 2) for t in chunk_times(s.record)]] for s in sent],  # fmt: skip
         "leaked_blocks": leaked,
         "live_requests_at_idle": live,
         "rss_start_mb": start_mb,
@@ -332,11 +278,14 @@ def format_result(r: dict) -> str:
         f"{num(r['capacity_req_s'], '.3f')} req/s, for {r['duration_s']:g} s",
         "faults      " + "  ".join(f"{k} {n}" for k, n in sorted(r["faults_by_kind"].items())),
         f"requests    sent {r['sent']}  accepted {r['accepted']}  completed {r['completed']} "
-        f"({100.0 * r['completed'] / acc:.1f}%)  failed {r['failed']}  refused {r['refused']}",
+        f"({100.0 * r['completed'] / acc:.1f}%; {r['completed_after_client_retry']} of them after a client retry: "
+        f"their gateway was killed)  failed {r['failed']}  refused {r['refused']}",
         f"identical   {r['identical']} of {r['completed']} completed (greedy, vs the undisturbed run)",
-        f"recovery s  p50 {num(r['recovery_p50_s'], '.2f')}  max {num(r['recovery_max_s'], '.2f')}  "
-        f"(faults whose stalled streams did not all resume: {r['faults_with_failed_streams']})",
-        "  by fault  " + "  ".join(f"{k} {num(v, '.1f')}" for k, v in r["recovery_s"].items()),
+        f"recovery s  first stalled stream flowing again: p50 {num(r['recovery_p50_s'], '.2f')}  "
+        f"max {num(r['recovery_max_s'], '.2f')}  (n/a: unrecovered before the next fault; {r['faults_unrecovered']} "
+        f"faults);  all of them: p50 {num(r['recovery_all_p50_s'], '.2f')}  max {num(r['recovery_all_max_s'], '.2f')}",
+        "  by fault  " + "  ".join(f"{k} {num(v['first_s'], '.1f')}/{num(v['all_s'], '.1f')} ({v['stalled']} stalled)"
+                                   for k, v in r["recovery"].items()),  # fmt: skip
         f"at idle     leaked blocks {r['leaked_blocks']}  live requests {r['live_requests_at_idle']}",
         f"rss MiB     start {num(r['rss_start_mb'])}  end {num(r['rss_end_mb'])}  growth {num(r['rss_growth_pct'], '.2f')}% "
         f"(processes that lived through; restarted: {', '.join(r['rss_processes_restarted']) or 'none'})",
