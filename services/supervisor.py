@@ -11,7 +11,9 @@ that still runs (hung) is killed after HUNG_KILL_S and restarted the same way; a
 was only frozen and runs again before then is reset by the scheduler instead. While the
 scheduler or the gateway is itself stopped (SIGSTOP), the worker's readiness says nothing
 about the worker and the watch waits. A child that keeps dying is reported and the rest are
-shut down rather than left hanging.
+shut down rather than left hanging. A restarted worker reads the float weights its predecessor
+converted from the run directory (`SUPERINFER_WEIGHTS_CACHE`, services/worker/weights_cache.py),
+so a restart costs its imports and the model's build, not the dequantization.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Each socket carries one tagged union, encoded as msgpack (array-like structs, no
     gateway  -> scheduler : GatewayMsg    = GatewayHello | AddRequest | AbortRequest
     scheduler -> gateway  : GatewayReply  = StepOutputs | RequestError | SchedulerStats
     scheduler -> worker   : WorkerMsg     = Plan | ResetWorker
-    worker   -> scheduler : WorkerReply   = WorkerReady | StepResult | WorkerError
+    worker   -> scheduler : WorkerReply   = WorkerReady | StepResult | WorkerError | WorkerBusy
     operator -> scheduler : AdminRequest  = QueuesQuery | StatsQuery | AbortCommand | DrainCommand
     scheduler -> operator : AdminReply    = QueuesReply | StatsReply | AdminAck | AdminError
 
@@ -288,7 +288,14 @@ class WorkerError(_Msg, tag="worker_error"):
     message: str
 
 
-WorkerReply = WorkerReady | StepResult | WorkerError
+class WorkerBusy(_Msg, tag="busy"):
+    """Said every second by a worker still computing `step_id` (its socket thread says it): a
+    slow step on a saturated host is not a lost worker. A frozen process says nothing."""
+
+    step_id: int
+
+
+WorkerReply = WorkerReady | StepResult | WorkerError | WorkerBusy
 
 
 # ---------------------------------------------------------------- codecs

@@ -3,7 +3,9 @@
 - `ServeRig`: one `superinfer serve` (its supervisor restarts what dies).
 - `ReplicatedRig`: 2 scheduler/worker pairs and 2 gateways, each gateway connected to both
   schedulers through a TCP relay of ours on loopback (one per gateway and scheduler), and
-  nothing restarting them but this rig, as an orchestrator (Kubernetes' restartPolicy) would.
+  nothing restarting them but this rig, as an orchestrator (Kubernetes' restartPolicy) would;
+  a restarted worker reads the float weights from a cache folder that outlives it (as a pod's
+  volume outlives its container: `SUPERINFER_WEIGHTS_CACHE`, services/worker/weights_cache.py).
 
 Faults, each on a process of the rig's choosing (the `target` says which):
 - kill: SIGKILL;
@@ -32,6 +34,7 @@ from pathlib import Path
 from bench.live.server import REPO, children_of, free_port, start_server, wait_for
 from bench.live.watch import PAGE_BYTES, role_of, tree_pids
 from services.worker.faults import FAULTS_ENV
+from shared.config import WEIGHTS_CACHE_ENV
 
 ROLES = ("worker", "scheduler", "gateway")
 
@@ -59,6 +62,20 @@ def rss_of_tree(pid: int) -> dict[str, float]:
             continue
         out[f"{role_of(argv, p)}:{p}"] = pages * PAGE_BYTES / (1 << 20)
     return out
+
+
+CATCH_WAIT_S = 120.0
+
+
+def catches(pid: int | None, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (/proc's SigCgt mask)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, TypeError):
+        pass
+    return False
 
 
 def signal_pid(pid: int | None, sig: int) -> bool:
@@ -101,7 +118,13 @@ class Rig:
             fault.note = "sent" if signal_pid(pid, signal.SIGKILL) else "no such process"
         elif fault.kind in ("raise_step", "raise_request"):
             sig = signal.SIGUSR1 if fault.kind == "raise_step" else signal.SIGUSR2
-            fault.note = "sent" if signal_pid(pid, sig) else "no such process"
+            # A worker still starting (restarted by an earlier fault) has no handler yet: the
+            # signal would kill it, which is the kill fault's job. Wait until it catches it.
+            for _ in range(int(CATCH_WAIT_S / 0.5)):
+                if catches(pid := self.pid(fault.target), sig):
+                    break
+                await asyncio.sleep(0.5)
+            fault.note = "sent" if catches(pid, sig) and signal_pid(pid, sig) else "no worker catching it"
         elif fault.kind == "stop" or (fault.kind == "cut" and self.cut_by_freezing):
             fault.note = "sent" if signal_pid(pid, signal.SIGSTOP) else "no such process"
             await asyncio.sleep(stop_s if fault.kind == "stop" else cut_s)
@@ -232,6 +255,7 @@ class ReplicatedRig(Rig):
 
     def __init__(self, log_dir: Path, worker_flags: list[str], scheduler_flags: list[str]) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cache = str(log_dir / "weights-cache")
         self.children: dict[str, Child] = {}
         self.relays: dict[str, Relay] = {}
         self.admins, self.urls = [], []
@@ -245,7 +269,7 @@ class ReplicatedRig(Rig):
                 "--admin-bind", admin, *scheduler_flags], log_dir / f"scheduler{i}.log", env)  # fmt: skip
             self.children[f"worker{i}"] = Child(f"worker{i}", [
                 "worker", "--connect", f"tcp://127.0.0.1:{worker_port}", "--device", "cpu", *worker_flags,
-            ], log_dir / f"worker{i}.log", dict(env, **{FAULTS_ENV: "signals"}))  # fmt: skip
+            ], log_dir / f"worker{i}.log", dict(env, **{FAULTS_ENV: "signals", WEIGHTS_CACHE_ENV: cache}))  # fmt: skip
         for g in (0, 1):
             relays = [Relay(p) for p in sched_ports]
             for s, relay in enumerate(relays):

@@ -44,8 +44,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from services.gateway.errors import unavailable
-from services.gateway.request_handle import RequestHandle
 from services.gateway.headroom import headroom_score, num_blocks
+from services.gateway.request_handle import RequestHandle
 from shared import zmqsec
 from shared.config import DEFAULT_FAILOVER_GRACE_S, ZMQ_HWM, ZMQ_LINGER_MS
 from shared.protocol import (

@@ -23,6 +23,11 @@ FIRST_STEP_TIMEOUT_S = 30.0  # before any step is measured: warm-up and first pr
 # A request held while no worker is ready fails after this long (a worker that restarts loads
 # its model first: ~11 s on an idle 2-core host, 30-100 s on a busy one).
 WORKER_WAIT_S = 120.0
+# A worker that says it still computes the overdue step (`WorkerBusy`, every second) is slow,
+# not lost: while its word is this fresh, up to MAX_BUSY_STEP_S for one step (a compute thread
+# stuck for good, its socket thread still talking, is lost then).
+BUSY_FRESH_S = 5.0
+MAX_BUSY_STEP_S = 300.0
 NUM_STEP_SAMPLES = 64
 
 
@@ -112,6 +117,7 @@ class WorkerLink:
         self.held: list[Held] = []  # requests waiting for a ready worker, oldest first
         self.step_times: deque[tuple[float, int]] = deque(maxlen=NUM_STEP_SAMPLES)  # (seconds, tokens)
         self.last_result_at = 0.0
+        self.busy: tuple[int, float] = (-1, 0.0)  # (step id, when) of the last WorkerBusy
         self.num_losses = 0
         self.num_failed_steps = 0  # whole steps failed (WorkerError) since the last result
 
@@ -163,9 +169,12 @@ class WorkerLink:
             return None
         oldest = self.driver.in_flight[0]
         started = max(oldest.sent_at, self.last_result_at)
-        if now - started > step_deadline_s(self.step_times, oldest.num_tokens, self.step_timeout_s):
-            return f"step {oldest.step_id} not back after {now - started:.1f}s"
-        return None
+        if now - started <= step_deadline_s(self.step_times, oldest.num_tokens, self.step_timeout_s):
+            return None
+        busy_step, busy_at = self.busy
+        if busy_step == oldest.step_id and now - busy_at < BUSY_FRESH_S and now - started < MAX_BUSY_STEP_S:
+            return None  # slow, and says so
+        return f"step {oldest.step_id} not back after {now - started:.1f}s"
 
     def stepped(self, sent_at: float, num_tokens: int, now: float) -> None:
         """A step's result is back: its time feeds the deadline."""

@@ -276,6 +276,8 @@ class SchedulerService:
                 self._on_result(msg)
             case p.WorkerError():
                 self._on_worker_error(msg)
+            case p.WorkerBusy(step_id=step_id):
+                self.link.busy = (step_id, time.monotonic())
 
     def _on_worker_error(self, err: p.WorkerError) -> None:
         """A step failed whole (its copies raised): the worker is reset and every live request
@@ -344,7 +346,7 @@ class SchedulerService:
         stalled = self.observer.stepped(flight, result, now)
         self.observer.outputs(outputs, now)
         if self.trace:
-            self._trace(result, flight, stalled)
+            self.trace.write(trace_line(result, flight, stalled, core.stats(), time.time()))
         self._maybe_step()  # the next plan before the replies: at depth 1 the worker waits for it
         by_owner: dict[bytes, list[p.TokenOutput]] = defaultdict(list)
         for out in outputs:
@@ -396,9 +398,6 @@ class SchedulerService:
         self.idle = False
         self.observer.planned(step, self.driver.core.cfg)
         return flight
-
-    def _trace(self, result: p.StepResult, flight: Flight, stalled: bool) -> None:
-        self.trace.write(trace_line(result, flight, stalled, self.core.stats(), time.time()))
 
     def _maybe_send_stats(self) -> None:
         """A load report after a change (at most every STATS_MIN_GAP_S), and at least every

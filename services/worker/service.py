@@ -49,6 +49,7 @@ from shared.log import setup_logging
 from shared.modelfile import ModelConfig, read_model_config, resolve_model_path
 
 RESET = object()  # the step thread's marker: a (new) scheduler connected
+BUSY_EVERY_S = 1.0  # while a step computes, the socket thread says so this often (WorkerBusy)
 
 
 class WorkerService:
@@ -66,6 +67,7 @@ class WorkerService:
         self.handshakes = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sock.connect(connect)
         self.stopping = False
+        self.computing: int | None = None  # the step id the compute thread is on, if any
 
     def run(self) -> None:
         """Compute on this thread, sockets on an event loop in an `io` thread, until `stop()`.
@@ -101,8 +103,12 @@ class WorkerService:
         poller.register(self.handshakes, zmq.POLLIN)
         self.log.info("worker up", hbm_blocks=self.ready.num_hbm_blocks, device=self.ready.device)
         sender = asyncio.create_task(self._send_results(results))
+        busy_at = time.monotonic()
         while not self.stopping:
             events = dict(await poller.poll(100))
+            if (step_id := self.computing) is not None and time.monotonic() - busy_at >= BUSY_EVERY_S:
+                busy_at = time.monotonic()  # a slow step is not a lost worker: say so
+                results.put_nowait(p.WorkerBusy(step_id))
             if self.sock in events:
                 await self._receive_plans(plans)
             if self.handshakes in events:
@@ -151,11 +157,14 @@ class WorkerService:
                 self.execute(self.execute.reset_plan(), 0.0)
                 loop.call_soon_threadsafe(results.put_nowait, self.ready)
                 continue
+            self.computing = plan.step_id
             try:
                 reply = self.execute(plan, max(0.0, arrived - idle_since))
             except Exception as e:  # a failed step is reported, not fatal to the loop
                 self.log.exception("step failed", step_id=plan.step_id)
                 reply = p.WorkerError(plan.step_id, f"{type(e).__name__}: {e}")
+            finally:
+                self.computing = None
             loop.call_soon_threadsafe(results.put_nowait, reply)
             idle_since = time.perf_counter()
 

@@ -89,3 +89,35 @@ def test_resumed_defaults_to_off_and_round_trips():
     resumed = msgspec.structs.replace(plain, resumed=True)
     assert p.gateway_msg_decoder.decode(p.encode(plain)).resumed is False
     assert p.gateway_msg_decoder.decode(p.encode(resumed)).resumed is True
+
+
+async def say_busy(worker: ToyWorker, every_s: float = 0.2) -> None:
+    """What the worker's socket thread does while a step computes."""
+    while True:
+        await asyncio.sleep(every_s)
+        if worker.computing is not None:
+            await worker.sock.send(p.encode(p.WorkerBusy(worker.computing)))
+
+
+def test_a_slow_step_that_says_so_is_not_a_lost_worker_and_a_silent_one_is(tmp_path):
+    """Steps go from 5 ms to 1.5 s (a saturated host): past the step deadline (0.3 s here) a
+    worker that says it is still computing keeps its requests; the same worker silent is lost."""
+
+    async def scenario(rig, busy: bool):
+        worker = ToyWorker(rig.worker_addr)
+        talker = asyncio.create_task(say_busy(worker)) if busy else None
+        try:
+            await rig.gateway.add("r0", [5, 6, 7], 14)
+            assert await until(lambda: len(rig.gateway.tokens.get("r0", [])) >= 10)
+            worker.step_s = 1.5
+            assert await until(lambda: "r0" in rig.gateway.finished or rig.service.link.num_losses > 0, 60)
+            return rig.service.link.num_losses
+        finally:
+            if talker is not None:
+                talker.cancel()
+            await worker.kill()
+
+    for name in ("busy", "silent"):
+        (tmp_path / name).mkdir()
+    assert asyncio.run(run_rig(tmp_path / "busy", lambda rig: scenario(rig, True))) == 0
+    assert asyncio.run(run_rig(tmp_path / "silent", lambda rig: scenario(rig, False))) >= 1
