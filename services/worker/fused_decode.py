@@ -15,7 +15,10 @@ model runs layer by layer.
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import statistics
+import time
 
 import torch
 
@@ -42,14 +45,60 @@ def run(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv_p
         num_rows, cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim, cfg.intermediate_size,
         kv_pool.shape[3], kv_pool.stride(1), kv_pool.stride(0), kv_pool.stride(2), batch.block_ids.shape[1],
     )  # fmt: skip
+    span_threads = torch.get_num_threads()
+    chooser = model.__dict__.setdefault("_decode_threads", ThreadChoice())
+    threads = chooser.pick(num_rows, span_threads)
+    start = time.perf_counter()
     failed = _entry(native)(
         layers, len(model.layers), dims, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_pool.data_ptr(),
         meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(), batch.block_ids.data_ptr(),
-        batch.context_lens.data_ptr(), first.eps, first.head_dim**-0.5, torch.get_num_threads(),
+        batch.context_lens.data_ptr(), first.eps, first.head_dim**-0.5, span_threads, threads,
     )  # fmt: skip
+    chooser.record(num_rows, threads, time.perf_counter() - start)
     if failed:
         raise MemoryError(f"no memory for the scratch of a {num_rows}-row decode step")
     return True
+
+
+class ThreadChoice:
+    """How many threads run a decode step of a few rows: torch's count, or one.
+
+    A one-row step streams the weights once (memory-bound: one core reads nearly as fast as two
+    here) and meets at ~10 barriers a layer. Where the cores are shared (the gateway, the
+    scheduler and the client run beside the step; other work on the host), a barrier waits
+    for a thread that lost its core, and two threads take longer than one. Which is faster
+    depends on the moment, so both are timed: each step of up to `MAX_ROWS` rows runs on the
+    count with the lower median over its last `WINDOW` steps of that many rows, and every
+    `EXPLORE_EVERY`-th step on the other. The result is the same on either count (the
+    attention's spans are cut for torch's count), so the choice changes only the time.
+    `fixed` pins a count instead.
+    """
+
+    MAX_ROWS = 4
+    WINDOW = 15
+    EXPLORE_EVERY = 10
+
+    def __init__(self, fixed: int | None = None):
+        self.fixed = fixed
+        self._times: dict[tuple[int, int], collections.deque] = {}
+        self._steps = 0
+
+    def pick(self, num_rows: int, threads: int) -> int:
+        if self.fixed is not None:
+            return min(self.fixed, threads)
+        if threads == 1 or num_rows > self.MAX_ROWS:
+            return threads
+        self._steps += 1
+        times = {n: self._times.get((num_rows, n), ()) for n in (1, threads)}
+        unmeasured = [n for n, t in times.items() if len(t) < 3]
+        if unmeasured:
+            return unmeasured[0]
+        best = min(times, key=lambda n: statistics.median(times[n]))
+        return best if self._steps % self.EXPLORE_EVERY else (threads if best == 1 else 1)
+
+    def record(self, num_rows: int, threads: int, seconds: float) -> None:
+        if num_rows <= self.MAX_ROWS:
+            self._times.setdefault((num_rows, threads), collections.deque(maxlen=self.WINDOW)).append(seconds)
 
 
 def _qualifies(model, native, x, cos, sin, meta, kv_pool) -> bool:
@@ -95,5 +144,5 @@ def _entry(native):
     fn = native.lib.decode_layers_f32
     if fn.argtypes is None:
         fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _i64, _ptr] + [_ptr] * 8 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [_ptr, _i64, _ptr] + [_ptr] * 8 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return fn

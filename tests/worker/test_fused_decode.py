@@ -26,7 +26,7 @@ def gguf_model(model_path, cfg):
     return model
 
 
-def _steps(model, cfg, contexts: list[int], num_steps: int, fused: bool):
+def _steps(model, cfg, contexts: list[int], num_steps: int, fused: bool, run_threads: int | None = None):
     """Prefill each request alone, then `num_steps` decode steps of all of them together, over
     scattered block tables. Returns (logits of every decode step [steps, R, V], the pool)."""
     num_blocks = sum(blocks_for(c + num_steps) for c in contexts)
@@ -37,6 +37,7 @@ def _steps(model, cfg, contexts: list[int], num_steps: int, fused: bool):
     gen = torch.Generator().manual_seed(0)
     logits = []
     model.fused_decode = fused
+    model._decode_threads = fused_decode.ThreadChoice(fixed=run_threads)
     try:
         with torch.inference_mode():
             for c, table in zip(contexts, tables):
@@ -49,6 +50,7 @@ def _steps(model, cfg, contexts: list[int], num_steps: int, fused: bool):
                 logits.append(model(ids, torch.tensor(positions), meta, pool, torch.arange(len(contexts))))
     finally:
         model.fused_decode = True
+        model._decode_threads = fused_decode.ThreadChoice()
     return torch.stack(logits), pool
 
 
@@ -70,6 +72,34 @@ def test_fused_decode_is_bit_identical(which, contexts, threads, gguf_model, mod
         torch.set_num_threads(before)
     assert torch.equal(fused_logits, ref_logits)
     assert torch.equal(fused_pool, ref_pool)
+
+
+@pytest.mark.slow
+def test_fused_decode_on_one_thread_matches_two(gguf_model, cfg):
+    """A step run on one thread with the attention's spans cut for two (ThreadChoice's other
+    count) gives what two threads give layer by layer: the choice changes only the time."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        one_logits, one_pool = _steps(gguf_model, cfg, [300, 7], 3, fused=True, run_threads=1)
+        ref_logits, ref_pool = _steps(gguf_model, cfg, [300, 7], 3, fused=False)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one_logits, ref_logits)
+    assert torch.equal(one_pool, ref_pool)
+
+
+def test_thread_choice_takes_the_faster_count_and_still_tries_the_other():
+    choice = fused_decode.ThreadChoice()
+    assert choice.pick(8, 2) == 2  # more rows than MAX_ROWS: torch's count
+    picks = []
+    for _ in range(60):
+        n = choice.pick(1, 2)
+        picks.append(n)
+        choice.record(1, n, 0.005 if n == 1 else 0.009)
+    assert picks[:6] == [1, 1, 1, 2, 2, 2]  # each count measured first
+    assert picks[6:].count(1) > 40 and 2 in picks[6:]  # one thread was faster; two still tried now and then
+    assert fused_decode.ThreadChoice(fixed=1).pick(1, 2) == 1
 
 
 def test_fused_decode_declines_prefill_and_mixed_steps(gguf_model, cfg):

@@ -180,6 +180,12 @@ static inline __attribute__((always_inline)) void attend_span_avx512(
 }
 #endif
 
+void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
+                                  int64_t side_stride, const int64_t *block_ids, int64_t max_blocks,
+                                  const int64_t *ctx_lens, float *out, int64_t num_rows, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                  int span_threads, int num_threads);
+
 /* q: [R, H, D] rows `q_row_stride` floats apart (heads contiguous); out: [R, H, D] contiguous.
  * block_ids: [R, max_blocks]; ctx_lens: [R] keys per request (the new token's included, >= 1). */
 void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
@@ -187,10 +193,22 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const floa
                                 const int64_t *ctx_lens, float *out, int64_t num_rows, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                 int num_threads) {
+    paged_decode_attention_spans(q, q_row_stride, kv, block_stride, side_stride, block_ids, max_blocks, ctx_lens, out,
+                                 num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads,
+                                 num_threads);
+}
+
+/* The same, its spans cut for `span_threads` threads and run on `num_threads`: the result depends
+ * on the first only, so a caller may run it on fewer threads than it was cut for. */
+void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
+                                  int64_t side_stride, const int64_t *block_ids, int64_t max_blocks,
+                                  const int64_t *ctx_lens, float *out, int64_t num_rows, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                  int span_threads, int num_threads) {
     /* Span length: whole blocks, about SPANS_PER_THREAD items per thread over the batch. */
     int64_t total = 0;
     for (int64_t r = 0; r < num_rows; r++) total += ctx_lens[r];
-    int64_t span = (total + (int64_t)num_threads * SPANS_PER_THREAD - 1) / ((int64_t)num_threads * SPANS_PER_THREAD);
+    int64_t span = (total + (int64_t)span_threads * SPANS_PER_THREAD - 1) / ((int64_t)span_threads * SPANS_PER_THREAD);
     span = span > SPAN_MIN_KEYS ? span : SPAN_MIN_KEYS;
     span = (span + block_size - 1) / block_size * block_size;
 
@@ -230,7 +248,7 @@ void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const floa
                 attend_span(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, head_dim,
                             block_size, scale, acc, mx, sm);
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < num_rows; r++) {
             for (int64_t h = 0; h < num_heads; h++) {
                 float m = -INFINITY, sum = 0.0f;

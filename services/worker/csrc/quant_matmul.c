@@ -23,6 +23,7 @@
  * same integer sums.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -133,11 +134,11 @@ static inline __attribute__((always_inline)) void panel_vnni(const int8_t *xq, c
             _mm_prefetch((const char *)(wb + 4 * bb + 512), _MM_HINT_T0);
         }
         __m512i wv[8];
-        if (bits == 4) {
+        if (bits == 4) { /* high nibbles kept in place (16 q): their sums are shifted back once, exactly */
             for (int i = 0; i < 4; i++) {
                 const __m512i v = _mm512_loadu_si512(wb + 64 * i);
                 wv[i] = _mm512_and_si512(v, low);
-                wv[4 + i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                wv[4 + i] = _mm512_andnot_si512(low, v);
             }
         } else {
             for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512(wb + 64 * g);
@@ -146,14 +147,16 @@ static inline __attribute__((always_inline)) void panel_vnni(const int8_t *xq, c
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + scales + 32)));
         for (int r = 0; r < M; r++) {
             const int32_t *x4 = (const int32_t *)(xq + r * K + b * QBLOCK);
+            /* s0: inputs 0-15 (4 bits: the low nibbles), s1: 16-31 (4 bits: 16x, from the high ones in place) */
             __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], _mm512_set1_epi32(x4[0]));
-            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], _mm512_set1_epi32(x4[1]));
-            s0 = _mm512_dpbusd_epi32(s0, wv[2], _mm512_set1_epi32(x4[2]));
-            s1 = _mm512_dpbusd_epi32(s1, wv[3], _mm512_set1_epi32(x4[3]));
-            s0 = _mm512_dpbusd_epi32(s0, wv[4], _mm512_set1_epi32(x4[4]));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[4], _mm512_set1_epi32(x4[4]));
+            s0 = _mm512_dpbusd_epi32(s0, wv[1], _mm512_set1_epi32(x4[1]));
             s1 = _mm512_dpbusd_epi32(s1, wv[5], _mm512_set1_epi32(x4[5]));
-            s0 = _mm512_dpbusd_epi32(s0, wv[6], _mm512_set1_epi32(x4[6]));
+            s0 = _mm512_dpbusd_epi32(s0, wv[2], _mm512_set1_epi32(x4[2]));
+            s1 = _mm512_dpbusd_epi32(s1, wv[6], _mm512_set1_epi32(x4[6]));
+            s0 = _mm512_dpbusd_epi32(s0, wv[3], _mm512_set1_epi32(x4[3]));
             s1 = _mm512_dpbusd_epi32(s1, wv[7], _mm512_set1_epi32(x4[7]));
+            if (bits == 4) s1 = _mm512_srai_epi32(s1, 4);
             const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
             acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nb + b])), acc[r]);
             acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * nb + b]), acc[r]);
@@ -272,21 +275,31 @@ static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const flo
             panel_deq_rows(x, ldx, K, w + p * pb, bits, bias ? bias + p * 16 : 0, y + p * 16, ldy, M);
         return 0;
     }
-    int8_t *xq = aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
-    float *dx = malloc(sizeof(float) * 2 * M * nb);
-    if (!xq || !dx) {
-        free(xq);
-        free(dx);
+    /* A few rows: every thread quantizes them all into its own copy, so the threads meet only
+     * once, at the end (decode steps run ~10 such matmuls a layer). More rows are split. */
+    const int own = M <= QTILE && num_threads > 1, copies = own ? num_threads : 1;
+    const int64_t xq_size = (M * K + 63) / 64 * 64;
+    int8_t *xq_all = aligned_alloc(64, (size_t)(xq_size * copies));
+    float *dx_all = malloc(sizeof(float) * 2 * M * nb * copies);
+    if (!xq_all || !dx_all) {
+        free(xq_all);
+        free(dx_all);
         return -1;
     }
-    float *sx = dx + M * nb;
     const int vnni = !force_portable && have_vnni();
     const int64_t groups = (M + QTILE - 1) / QTILE, group = (M + groups - 1) / groups;
 #pragma omp parallel num_threads(num_threads)
     {
+        const int copy = own ? omp_get_thread_num() : 0;
+        int8_t *xq = xq_all + copy * xq_size;
+        float *dx = dx_all + copy * 2 * M * nb, *sx = dx + M * nb;
+        if (own) {
+            for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
-#pragma omp for schedule(static) collapse(2)
+            for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
+        }
+#pragma omp for schedule(static) collapse(2) nowait
         for (int64_t m0g = 0; m0g < groups; m0g++)
             for (int64_t p = 0; p < num_panels; p++) {
                 const int64_t m0 = m0g * group, rows = M - m0 < group ? M - m0 : group;
@@ -298,8 +311,8 @@ static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const flo
                 else panel_portable(xr, dx + m0 * nb, sx + m0 * nb, K, w + p * pb, bits, bp, yr, ldy, rows);
             }
     }
-    free(xq);
-    free(dx);
+    free(xq_all);
+    free(dx_all);
     return 0;
 }
 
