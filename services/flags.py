@@ -106,6 +106,14 @@ def scheduler_args(p: argparse.ArgumentParser) -> None:
         help="a step result later than max(this, 10 x median recent step, 2 x slowest recent step) "
         "means the worker is lost; its requests resume on the next worker (default %(default)s s)",
     )
+    g.add_argument(
+        "--worker-wait",
+        type=float,
+        default=config.DEFAULT_WORKER_WAIT_S,
+        metavar="S",
+        help="how long a request is held while no worker is ready (one restarting, say) before it "
+        "fails with an error naming the lost worker (default %(default)s)",
+    )
 
 
 def admin_args(p: argparse.ArgumentParser) -> None:

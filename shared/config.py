@@ -14,6 +14,8 @@ DEFAULT_SCHEDULER_ADDR = "tcp://127.0.0.1:5557"  # gateways connect here
 DEFAULT_WORKER_ADDR = "tcp://127.0.0.1:5558"  # scheduler binds, worker connects
 # How long a gateway holds a request whose scheduler was lost, waiting for another one.
 DEFAULT_FAILOVER_GRACE_S = 30.0
+# How long a scheduler holds a request while no worker is ready (one restarting loads its model).
+DEFAULT_WORKER_WAIT_S = 120.0
 # A folder where a worker keeps its converted float weights for the next one (a restart);
 # `superinfer serve` sets it to its run folder (services/worker/weights_cache.py).
 WEIGHTS_CACHE_ENV = "SUPERINFER_WEIGHTS_CACHE"

@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
         admin_bind=args.admin_bind,
         admin_token=args.admin_token or os.environ.get(config.ADMIN_TOKEN_ENV) or None,
         step_timeout_s=args.step_timeout,
+        worker_wait_s=args.worker_wait,
         zmq_keys=args.zmq_keys,
     )
     metrics_server = service.observer.metrics.serve(args.metrics_host, args.metrics_port, log)

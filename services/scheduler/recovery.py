@@ -20,9 +20,9 @@ from shared import config, protocol as p
 STEP_TIMEOUT_S = 2.0  # a step result later than this (at least) means the worker is lost
 STEP_TIMEOUT_FACTOR = 10.0  # ... or this many median recent steps, when steps are slow
 FIRST_STEP_TIMEOUT_S = 30.0  # before any step is measured: warm-up and first prefills are slow
-# A request held while no worker is ready fails after this long (a worker that restarts loads
-# its model first: ~11 s on an idle 2-core host, 30-100 s on a busy one).
-WORKER_WAIT_S = 120.0
+# A request held while no worker is ready fails after this long (--worker-wait; a worker that
+# restarts loads its model first: ~11 s on an idle 2-core host, 30-100 s on a busy one).
+WORKER_WAIT_S = config.DEFAULT_WORKER_WAIT_S
 # A worker that says it still computes the overdue step (`WorkerBusy`, every second) is slow,
 # not lost: while its word is this fresh, up to MAX_BUSY_STEP_S for one step (a compute thread
 # stuck for good, its socket thread still talking, is lost then).
