@@ -171,9 +171,11 @@ class CpuKernels:
         num_out, num_in = weight.shape
         return weight.reshape(num_out // self.panel, self.panel, num_in).transpose(1, 2).contiguous()
 
-    def linear(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
+    ) -> torch.Tensor:
         """x [M, K] (rows contiguous) . W^T (+ bias) -> [M, N], W packed by `pack_panels`."""
-        return _linear(self._linear, x, panels, panels.shape[0] * self.panel, bias)
+        return _linear(self._linear, x, panels, panels.shape[0] * self.panel, bias, threads)
 
     # ------------------------------------------------------------ prefill matmul (AMX, bf16x3)
 
@@ -205,9 +207,12 @@ class CpuKernels:
         self._copy_blocks(src.data_ptr(), dst.data_ptr(), block_bytes, ids, ctypes.addressof(ids) + 8 * num, num)
 
 
-def _linear(kernel, x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(
+    kernel, x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None, threads: int | None = None
+) -> torch.Tensor:
     """y = x . W^T (+ bias) through a native matmul taking (x, ldx, W, bias, y, ldy, M, N, K,
-    threads); a kernel that returns nonzero could not allocate its scratch."""
+    threads), on `threads` threads (default torch's; the result is the same on any count); a
+    kernel that returns nonzero could not allocate its scratch."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_rows, num_in = x.shape
@@ -215,7 +220,7 @@ def _linear(kernel, x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: t
     b = 0 if bias is None else bias.data_ptr()
     failed = kernel(
         x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), num_out,
-        num_rows, num_out, num_in, _threads(),
+        num_rows, num_out, num_in, threads or _threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError(f"no memory for the scratch of a [{num_rows}, {num_in}] matmul input")

@@ -146,9 +146,9 @@ def _kernel(bits: int):
     return fn
 
 
-def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) . W^T (+ bias) -> [M, N] float32."""
-    return cpu_kernels._linear(_kernel(_BITS[packed.kind]), x, packed.data, packed.num_out, bias)
+    return cpu_kernels._linear(_kernel(_BITS[packed.kind]), x, packed.data, packed.num_out, bias, threads)
 
 
 def set_float_rows(rows: int) -> int:

@@ -28,17 +28,17 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 LAYER_WORDS = 18  # csrc/decode_step.c: in_norm, post_norm, then 4 words per matmul (qkv, o, gate_up, down)
 
 
-def run(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv_pool: torch.Tensor) -> bool:
+def run(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv_pool: torch.Tensor) -> int:
     """x: [T, hidden], the embedded tokens, becomes the residual stream after the last layer (in
-    place) and this step's K/V go into kv_pool, as the layers would; False (nothing touched)
-    where the fused call does not apply."""
+    place) and this step's K/V go into kv_pool, as the layers would. Returns the number of
+    threads it ran on, or 0 (nothing touched) where the fused call does not apply."""
     native = cpu_kernels.for_tensor(x)
     num_rows = x.shape[0]
     if native is None or not _qualifies(model, native, x, cos, sin, meta, kv_pool):
-        return False
+        return 0
     layers = _descriptors(model, num_rows)
     if layers is None:
-        return False
+        return 0
     cfg, batch = model.cfg, meta.decodes
     first = model.layers[0]
     dims = (_i64 * 11)(
@@ -57,7 +57,7 @@ def run(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv_p
     chooser.record(num_rows, threads, time.perf_counter() - start)
     if failed:
         raise MemoryError(f"no memory for the scratch of a {num_rows}-row decode step")
-    return True
+    return threads
 
 
 class ThreadChoice:

@@ -72,15 +72,16 @@ class Linear(nn.Module):
         # [in, out]: wherever the panels do not replace it.
         self.weight = _param(weight.t().contiguous()) if panels is None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in] -> [T, out]"""
+    def forward(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """x: [T, in] -> [T, out]; `threads` runs the quantized and panel kernels on that many
+        threads instead of torch's count (the same result)."""
         rows = x.shape[0]
         if self.quant is not None:
-            return cpu_quant.linear(x, self.quant, self.bias)
+            return cpu_quant.linear(x, self.quant, self.bias, threads)
         if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
             return cpu_kernels.kernels().linear_bf16x3(x, self.tiles, self.bias)
         if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
-            return cpu_kernels.kernels().linear(x, self.panels, self.bias)
+            return cpu_kernels.kernels().linear(x, self.panels, self.bias, threads)
         if self.packed is not None and (rows > self.GEMV_MAX_ROWS or self.weight is None):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
@@ -304,11 +305,13 @@ class LlamaModel(nn.Module):
         x = F.embedding(token_ids, self.embed)  # [T, hidden]
         cos, sin = rope_cos_sin(positions, self._rope_inv_freq(positions.device), x.dtype)  # [T, D/2]
         # A step of decodes only: every layer in one native call where it applies, else layer by layer.
-        if not (self.fused_decode and fused_decode.run(self, x, cos, sin, meta, kv_pool)):
+        # The head then runs on as many threads as the layers did (fused_decode.ThreadChoice).
+        threads = fused_decode.run(self, x, cos, sin, meta, kv_pool) if self.fused_decode else 0
+        if not threads:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, kv_pool[:, i], meta)
         h = F.rms_norm(x[sample_rows], x.shape[-1:], self.norm, self.cfg.rms_norm_eps)  # [S, hidden]
-        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed)
+        logits = self.lm_head(h, threads or None) if self.lm_head is not None else F.linear(h, self.embed)
         return logits.float()  # [S, V]
 
     def _rope_inv_freq(self, device: torch.device) -> torch.Tensor:
