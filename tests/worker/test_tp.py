@@ -80,9 +80,14 @@ class FakeScheduler:
         return result
 
     def _recv(self, timeout_ms: int):
-        assert self.sock.poll(timeout_ms), "the worker did not answer in time"
-        self.identity, payload = self.sock.recv_multipart()
-        return p.worker_reply_decoder.decode(payload)
+        """The worker's next answer; the WorkerBusy it says every second of a long step are
+        skipped, as the scheduler takes them (they only keep the step's deadline off)."""
+        while True:
+            assert self.sock.poll(timeout_ms), "the worker did not answer in time"
+            self.identity, payload = self.sock.recv_multipart()
+            reply = p.worker_reply_decoder.decode(payload)
+            if not isinstance(reply, p.WorkerBusy):
+                return reply
 
     def close(self) -> None:
         self.sock.close()
