@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.report import baselines_table, simlive
+from bench.report import baselines_table, simlive, tier
 from bench.report.discussion import LEAD, SEVERE, TBT_TIE, ablation_summary, claim_rows, pressure_arithmetic, verdicts
 from bench.report.rows import BASELINES, LVFS, PAPER_STEP, PAPER_TABLE1, at, name
 from bench.report.tables import attainment_table, detail_table, flat, policy_label
 
 ROWS_FILE = "reproduction.json"
+FIGURES = "figures"  # the plots, beside the Markdown (in git: the page shows them)
 CALIBRATION_TOLERANCE = 0.15  # per-step figures within 15% of the paper's count as matched
 
 
@@ -87,6 +88,7 @@ def render(res: dict, simlive_runs: list[dict]) -> str:
     L += pressure_arithmetic(st, res["fig16"], res["fig16_lmsys"])
     L += fig16_section("Fig. 16 — LMSYS-Chat-1M's length mix (synthetic)", res["fig16_lmsys"], "req/s")
     L += fig16_section("Fig. 16 — ShareGPT conversations (ours)", res["fig16_conv"], conv_unit, "fig16_conv")
+    L += [tier.render(res["tier"])] if res.get("tier") else []
     L += render_rest(res)
     L += simlive.markdown(simlive_runs)
     return "\n".join(L)
@@ -138,7 +140,7 @@ def header(st: dict) -> list[str]:
         "",
         generated(st) + "; every "
         "number below comes from these runs (rows: `bench/results/reproduction.json`, one CSV per figure; plots: "
-        "`bench/results/*.png`). Regenerate it rather than edit it.",
+        "`bench/figures/*.png`). Regenerate it rather than edit it.",
         "",
         "The simulator (`superinfer bench sim`) drives the scheduler core the live service runs — the same "
         "`SchedulerCore`, policies and block manager — on a virtual clock. Its worker is a cost model "
@@ -185,8 +187,9 @@ def calibration(res: dict) -> list[str]:
         f"The efficiencies are assumed, not measured: compute {hw['compute_efficiency']:g} of the bf16 peak, HBM "
         f"{hw['hbm_efficiency']:g} of its bandwidth, {hw['step_overhead_ms']:g} ms fixed per step (`bench/profiles/"
         "gh200.json`), chosen so that the simulated mean model time per step lands within 15% of the paper's 69.8 ms "
-        "on ShareGPT where the batch is large (the profile's notes: 1000 requests at 12–16 req/s); the mean grows with "
-        f"the batch, so lighter runs below give less. {hw['mem_utilization']:g} of HBM for weights and KV (vLLM's default `gpu_memory_utilization`, also "
+        "on ShareGPT where the batch is large: the calibration's own runs, 1000 ShareGPT requests a seed at "
+        f"{_rates(res.get('calibration', []))} req/s (the first rows); the mean grows with the batch, so the lighter runs "
+        f"of the figures give less. {hw['mem_utilization']:g} of HBM for weights and KV (vLLM's default `gpu_memory_utilization`, also "
         f"assumed). The link's figures are the paper's (Table 1: {hw['link_gbs']:g} GB/s per direction, "
         f"x{hw['duplex_efficiency']:g} of the {hw['dram_gbs']:g} GB/s DRAM both ways). Scheduling is our core's "
         "`schedule()` timed on this CPU (overlapped with compute), not calibrated. A figure within 15% of the "
@@ -198,7 +201,9 @@ def calibration(res: dict) -> list[str]:
     mark = lambda v, p: f"{v:.1f}" + (" ✓" if abs(v - p) <= CALIBRATION_TOLERANCE * p else "")  # noqa: E731
     conv = _duplex(res["fig16_conv"])
     top = max(r["rate"] for r in conv)
-    for wl, rows, rates in (("ShareGPT", res["fig16"], None), ("conversations", conv, [top])):
+    runs = (("ShareGPT, 1000 requests", res.get("calibration", []), None), ("ShareGPT", res["fig16"], None),
+            ("conversations", conv, [top]))  # fmt: skip
+    for wl, rows, rates in runs:
         for r in sorted((r for r in rows if r["policy"] in LVFS), key=lambda r: (r["rate"], r["policy"])):
             if rates and r["rate"] not in rates:
                 continue
@@ -206,7 +211,7 @@ def calibration(res: dict) -> list[str]:
                 f"| {wl} | {r['rate']:g} | {r['policy']} | {r['sched_wall_ms_p50']:.2f} / {r['sched_wall_ms_p99']:.2f} | "
                 f"{mark(r['xfer_ms_mean'], PAPER_STEP['transfer_ms'])} | {mark(r['compute_ms_mean'], PAPER_STEP['model_ms'])} |"
             )
-    rows = [r for wl, rs in (("s", res["fig16"]), ("c", conv)) for r in rs if r["policy"] in LVFS]
+    rows = [r for rs in (res.get("calibration", []), res["fig16"], conv) for r in rs if r["policy"] in LVFS]
     model = [r["compute_ms_mean"] for r in rows]
     near = [r for r in rows if abs(r["compute_ms_mean"] - PAPER_STEP["model_ms"]) <= CALIBRATION_TOLERANCE * PAPER_STEP["model_ms"]]
     return [
@@ -220,6 +225,10 @@ def calibration(res: dict) -> list[str]:
         "synced blocks ahead of time, so a preemption copies only its last, partly filled block.",
         "",
     ]
+
+
+def _rates(rows: list[dict]) -> str:
+    return " and ".join(f"{r:g}" for r in sorted({r["rate"] for r in rows})) or "—"
 
 
 def ablation_section(res: dict) -> list[str]:
@@ -269,7 +278,7 @@ def fig16_section(title: str, rows: list[dict], unit: str, png: str | None = Non
     L += [*attainment_table(rows, policy_label, unit), ""]
     top = max(r["rate"] for r in rows)
     L += [f"At {top:g} {unit}:", "", *detail_table([r for r in rows if r["rate"] == top], "policy", policy_label), ""]
-    return L + ([f"![{title}](results/{png}.png)", ""] if png else [])
+    return L + ([f"![{title}]({FIGURES}/{png}.png)", ""] if png else [])
 
 
 def render_rest(res: dict) -> list[str]:
@@ -286,7 +295,7 @@ def render_rest(res: dict) -> list[str]:
         "",
         *detail_table(f1, "policy", policy_label),
         "",
-        "![Fig. 1](results/fig1_wf_vs_sf_cdf.png)",
+        f"![Fig. 1]({FIGURES}/fig1_wf_vs_sf_cdf.png)",
         "",
         f"## Fig. 17 — both LVFs on vLLM's swap path (the paper's and a large B_xfer) vs DuplexKV (conversations, {top:g}/s)",
         "",
@@ -313,7 +322,7 @@ def render_rest(res: dict) -> list[str]:
             else:
                 shown = True
                 L += [f"**{k}, {p}**", "", *detail_table(rs, k, lambda r, k=k: f"{k}={r[k]:g}", spread=True), ""]
-        L += [f"![{k}](results/fig_{k}.png)", ""] if shown else []
+        L += [f"![{k}]({FIGURES}/fig_{k}.png)", ""] if shown else []
     t1 = res["table1"]
     L += [
         "## Table 1 — moving 16 GB on gh200 (8 GB each way, Qwen2.5-32B blocks)",

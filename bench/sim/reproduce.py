@@ -4,8 +4,9 @@ scheduler core that serves, plus the cost model's transfer table.
 
 Every number in the Markdown comes from this run, except the last section's: the simulator
 against the live server, read from the runs `superinfer bench simlive` recorded in
-bench/results/simlive_runs.jsonl. The rows, one CSV per figure and the PNGs go to
-bench/results/. The whole reproduction takes about a quarter of an hour on two cores. The Markdown is
+bench/results/simlive_runs.jsonl. The rows and one CSV per figure go to bench/results/, the
+plots to bench/figures/ (beside the Markdown, which shows them). The whole reproduction
+takes under 20 minutes on two idle cores (its jobs in one pool, repro_ctx.py). The Markdown is
 rendered from the rows file (reproduction.json, which records the setting too) and those
 runs alone: `--from-rows` re-renders it without running anything.
 """
@@ -18,18 +19,14 @@ import os
 import resource
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
-from bench.live import workload
-from bench.live.workload import ChatSpec, SyntheticSpec
 from bench.report import plots, reproduction
-from bench.report.metrics import RequestRecord
-from bench.report.rows import SYSTEMS, mean_rows, name
-from bench.sim import engine, sweep
-from bench.sim.costmodel import GB, MODELS, MODES, ideal_time, load_hardware, transfer_time
-from services.scheduler.core import SchedulerConfig
+from bench.report.rows import SYSTEMS, name
+from bench.sim import engine, sweep, tier
+from bench.sim.costmodel import GB, MODES, ideal_time, transfer_time
+from bench.sim.repro_ctx import CHAT, CONVERSATIONS, LMSYS, Ctx, reuse_rows
 from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 
 HERE = Path(__file__).resolve().parents[1]  # bench/
@@ -39,15 +36,7 @@ RATES = (2, 4, 6, 8, 12)
 MAX_TOKENS = 2048  # what the clients ask as max_tokens (a chat front-end's cap); outputs end at their true length
 VLLM_BXFER = 300  # the paper's B_xfer on vLLM's swap path (Fig. 17)
 LVFS = ("lvf-paper", "lvf")  # the paper's LVF (no guard of ours) and ours (our defaults)
-# ShareGPT conversations turn by turn, each turn's prompt the whole history (their real lengths, up
-# to a 32k context), arriving at these rates (conversations/s): on the paper's 144 GB the KV-cache
-# fills before the GPU's compute does, where ShareGPT's single first turns never fill it.
-CONVERSATIONS, CONV_RATES = 200, (2, 4, 6, 8)
-CHAT = ChatSpec(multi_turn=True)
-# LMSYS-Chat-1M's length mix as a synthetic workload: its published means (Zheng et al., 2023,
-# arXiv 2309.11998, Table 1: 69.5 prompt and 214.5 response tokens per turn); lognormal lengths
-# with sigma 1 (the spread is ours: the data set does not ship with us).
-LMSYS = SyntheticSpec(input_len=70, output_len=215, dist="lognormal", spread=1.0)
+CONV_RATES = (2, 4, 6, 8)  # conversations/s
 LMSYS_RATES = (4, 8, 12)
 # The guards of ours that the ablation adds one at a time to lvf-paper (their lvf defaults), and
 # the two that work with any policy, which it also gives vllm-v1 (fcfs) and wf.
@@ -57,127 +46,17 @@ AGNOSTIC = ("admit_watermark", "slo_chunking")
 # Sensitivity (Figs. 18-21) on the conversations at CONV_KNOB_RATE. (At 200 conversations a seed
 # and the calibrated speed the KV-cache does not fill; 700 at 4 and 8/s do, at ~3x the time.)
 CONV_KNOB_RATE = 6
+# The per-step calibration's own runs: both LVFs on 1000 ShareGPT requests at rates where the
+# batch grows to the paper's per-step model time.
+CALIBRATION_RATES = (12, 16)
+# Each figure's workload, for `--rerun` (the others: conversations).
+FIGURE_WORKLOADS = {"fig16": "sharegpt", "ablation": "sharegpt", "fig16_lmsys": "lmsys", "calibration": "calibration"}
 KNOB_SWEEPS = {
     "alpha": (1.0, 3.0, 10.0),
     "beta_f": (0.0, 0.5, 1.0),
     "beta_b": (0.0, 1.0, 2.0),
     "xfer_budget": (96, 600, 2400),
 }
-
-
-class Ctx:
-    """The shared setting: Qwen2.5-32B on gh200, ShareGPT, SLOs 5 s / 100 ms; every run
-    once per seed (its own ShareGPT sample and arrivals), rows averaged over the seeds."""
-
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.hw = load_hardware("gh200")
-        self.model = MODELS["qwen2.5-32b"]
-        self.seeds = list(range(args.seed, args.seed + args.num_seeds))
-        self.items_by_seed = {s: sweep.load_items("sharegpt", args.num_requests, s) for s in self.seeds}
-        self.items = self.items_by_seed[args.seed]
-        self.num_runs = 0
-        self._rows: dict[str, dict] = {}  # Ctx.run's rows by job
-        self._conversations: dict[int, list] | None = None
-        self._lmsys: dict[int, list] | None = None
-
-    def setup(
-        self, policy: str, mode: str = "duplex", hw=None, hbm: int | None = None, model=None, **knobs
-    ) -> engine.SimSetup:
-        d = self.hw.defaults
-        cfg = SchedulerConfig(
-            policy="fcfs" if policy == "neo" else policy,  # NEO offloads under vLLM V1's scheduling
-            max_batched_tokens=d["max_batched_tokens"],
-            max_num_seqs=d["max_num_seqs"],
-            xfer_budget=knobs.pop("xfer_budget", d["xfer_budget"]),
-            ttft_slo=5.0,
-            tbt_slo=0.1,
-            **knobs,
-        )
-        # Each step takes the scheduling time our core's schedule() measured for it (not the
-        # paper's 7.6 ms); it overlaps compute, so it costs only where it is longer.
-        return engine.make_setup(
-            hw or self.hw,
-            model or self.model,
-            cfg,
-            mode,
-            hbm=hbm,
-            sched_time="measured",
-            max_tokens=self.args.max_tokens,
-            neo=policy == "neo",
-        )
-
-    def run(self, jobs: list[sweep.Job], workload: str = "sharegpt") -> list[dict]:
-        """One row per job: its mean over the seeds, with the spreads (rows.mean_rows), on the
-        ShareGPT requests, the `lmsys` mix or the ShareGPT `conversations`. A job run before (the same workload,
-        rate and setup in another figure) is not run again."""
-        key = lambda j: job_key(workload, j)  # noqa: E731
-        new = list({key(j): j for j in jobs if key(j) not in self._rows}.values())
-        self.num_runs += len(new) * len(self.seeds)
-        if new:
-            t0 = time.perf_counter()
-            items = {"sharegpt": self.items_by_seed, "lmsys": self.lmsys()}.get(workload) or self.conversations()
-            rows = mean_rows(sweep.sweep_seeds(items, new, 5.0, 0.1, num_procs=self.args.jobs))
-            self._rows.update(zip(map(key, new), rows))
-            took = time.perf_counter() - t0
-            print(f"  {len(new)} jobs x {len(self.seeds)} seeds on {workload} in {took:.0f} s", file=sys.stderr)
-        return [self._rows[key(j)] for j in jobs]
-
-    def lmsys(self) -> dict[int, list]:
-        """Each seed's requests of LMSYS-Chat-1M's length mix (LMSYS), as many as --num-requests."""
-        if self._lmsys is None:
-            n = self.args.num_requests
-            self._lmsys = {s: sweep.load_items("synthetic", n, s, synthetic=LMSYS) for s in self.seeds}
-        return self._lmsys
-
-    def conversations(self) -> dict[int, list]:
-        """Each seed's ShareGPT conversations (CHAT), loaded on first use."""
-        if self._conversations is None:
-            n = self.args.conversations
-            self._conversations = {s: sweep.load_items("sharegpt-long", n, s, chat=CHAT) for s in self.seeds}
-        return self._conversations
-
-    def records(self, setups: list[engine.SimSetup], rate: float) -> list[list[RequestRecord]]:
-        """Each setup's requests in one run on the first seed's conversations (the CDFs of
-        Fig. 1), the runs side by side."""
-        bare = [replace(it, prompt="") for it in self.conversations()[self.args.seed]]
-        items = workload.draw_arrivals(bare, rate, 1.0, self.args.seed)
-        self.num_runs += len(setups)
-        with ProcessPoolExecutor(max(1, min(self.args.jobs, len(setups)))) as pool:
-            return list(pool.map(simulated_records, [items] * len(setups), setups))
-
-
-# What tells one run of the reproduction from another (all share the model, hardware and pools):
-# a row's key is its workload and these fields; a job's, the same fields of its setup.
-ROW_KEY = ("rate", "policy", "transfer_mode", "xfer_budget", "alpha", "beta_f", "beta_b", "admit_watermark",
-           "min_residency_s", "rotary_yields", "slo_chunking", "enable_prefix_caching")  # fmt: skip
-FIGURE_WORKLOADS = {"fig16": "sharegpt", "ablation": "sharegpt", "fig16_lmsys": "lmsys"}  # the others: conversations
-
-
-def row_key(workload: str, row: dict) -> str:
-    return repr((workload, *(row[k] for k in ROW_KEY)))
-
-
-def job_key(workload: str, job: sweep.Job) -> str:
-    cfg = job.setup.cfg
-    fields = {k: getattr(cfg, k) for k in ROW_KEY[3:]}
-    policy = "neo" if job.setup.neo_host_blocks else cfg.policy
-    return row_key(workload, {"rate": job.rate, "policy": policy, "transfer_mode": job.setup.transfer_mode, **fields})
-
-
-def reuse_rows(ctx: Ctx, record: dict, rerun: set[str]) -> None:
-    """Seed `ctx`'s rows with a previous run's (`record`, its rows file), but for the policies
-    in `rerun`: only their jobs then run again."""
-    for fig, rows in record.items():
-        if fig.startswith(("fig", "ablation")) and isinstance(rows, list):
-            wl = FIGURE_WORKLOADS.get(fig, "conversations")
-            for r in rows:
-                if r["policy"] not in rerun and wl not in rerun:
-                    ctx._rows[row_key(wl, r)] = {k: v for k, v in r.items() if k != "variant"}
-
-
-def simulated_records(items: list, setup: engine.SimSetup) -> list[RequestRecord]:
-    return engine.simulate(items, setup).records
 
 
 # ---------------------------------------------------------------- experiments
@@ -294,26 +173,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def experiments(ctx: Ctx, figures: Path | None) -> dict:
+    """Every figure's rows (Fig. 1's plot to `figures`, when given)."""
+    top, conv_top = max(ctx.args.rates), max(CONV_RATES)
+    res: dict = {"fig16": fig16(ctx), "fig16_lmsys": fig16(ctx, "lmsys"), "fig16_conv": fig16(ctx, "conversations")}
+    res["calibration"] = ctx.run([sweep.Job(r, ctx.setup(p)) for p in LVFS for r in CALIBRATION_RATES], "calibration")
+    res["ablation"] = ablation(ctx, "sharegpt", top)
+    res["ablation_conv"] = ablation(ctx, "conversations", conv_top)
+    res["tier"] = tier.compare(ctx, CONV_RATES, hbm_share=None)
+    if figures is not None:
+        fig1(ctx, conv_top, figures)
+    res["fig17"] = fig17(ctx, conv_top)
+    res["knobs"] = knob_sweeps(ctx, CONV_KNOB_RATE)
+    res["table1"] = table1(ctx)
+    return res
+
+
 def run(args: argparse.Namespace) -> int:
     if args.from_rows:
         args.out.write_text(reproduction.render_results(args.results))
         return 0
     t0 = time.perf_counter()
     ctx = Ctx(args)
-    out = args.results
+    out, figures = args.results, args.out.parent / reproduction.FIGURES
     before = json.loads((out / reproduction.ROWS_FILE).read_text()) if args.rerun else None
     if before:
-        reuse_rows(ctx, before, set(args.rerun))
+        reuse_rows(ctx, before, set(args.rerun), FIGURE_WORKLOADS)
     out.mkdir(parents=True, exist_ok=True)
-    top, conv_top = max(args.rates), max(CONV_RATES)
-    res: dict = {"fig16": fig16(ctx), "fig16_lmsys": fig16(ctx, "lmsys"), "fig16_conv": fig16(ctx, "conversations")}
-    res["ablation"] = ablation(ctx, "sharegpt", top)
-    res["ablation_conv"] = ablation(ctx, "conversations", conv_top)
-    fig1(ctx, conv_top, out)
-    res["fig17"] = fig17(ctx, conv_top)
-    res["knobs"] = knob_sweeps(ctx, CONV_KNOB_RATE)
-    res["table1"] = table1(ctx)
-    record = write_results(res, out)
+    figures.mkdir(parents=True, exist_ok=True)
+    ctx.planning = True  # collect every figure's jobs, run them in one pool, then build the figures
+    experiments(ctx, None)
+    ctx.execute()
+    res = experiments(ctx, figures)
+    record = write_results(res, out, figures)
     record["setting"] = setting_record(ctx, time.perf_counter() - t0)
     if before:  # the whole run's figures stay the first run's; the rerun is told apart
         st = before["setting"]
@@ -324,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         record["setting"]["rerun"] = rerun
     (out / reproduction.ROWS_FILE).write_text(json.dumps(record, indent=1))
     args.out.write_text(reproduction.render_results(out))
-    print(f"wrote {args.out} and {out}/ in {time.perf_counter() - t0:.0f} s ({ctx.num_runs} runs)", file=sys.stderr)
+    print(f"wrote {args.out}, {figures}/ and {out}/ in {time.perf_counter() - t0:.0f} s ({ctx.num_runs} runs)", file=sys.stderr)
     return 0
 
 
@@ -409,18 +301,19 @@ def conversation_record(items: list) -> dict:
     }
 
 
-def write_results(res: dict, out: Path) -> dict[str, list[dict]]:
-    """One CSV per figure and the plots; returns the rows by figure, as the rows file keeps them."""
-    figs = {k: v for k, v in res.items() if k.startswith(("fig", "ablation")) or k == "table1"}
+def write_results(res: dict, out: Path, figures: Path) -> dict[str, list[dict]]:
+    """One CSV per figure to `out`, the plots to `figures`; returns the rows by figure, as the
+    rows file keeps them."""
+    figs = {k: v for k, v in res.items() if k.startswith(("fig", "ablation", "tier", "calibration")) or k == "table1"}
     figs.update({f"fig_{k}": v for k, v in res["knobs"].items()})
     for key, rows in figs.items():  # rows of a --rerun may have fields the reused ones lack: one header for all
         columns = list(dict.fromkeys(k for r in rows for k in r))
         sweep.write_outputs([{k: r.get(k) for k in columns} for r in rows], None, out / f"{key}.csv", {})
-    plots.plot_attainment(res["fig16"], out, "Qwen2.5-32B on gh200 (calibrated), ShareGPT", "fig16")
-    plots.plot_attainment(res["fig16_conv"], out, "Qwen2.5-32B on gh200 (calibrated), conversations", "fig16_conv")
-    plots.plot_attainment(res["fig17"], out, "ablation", "fig17")
+    plots.plot_attainment(res["fig16"], figures, "Qwen2.5-32B on gh200 (calibrated), ShareGPT", "fig16")
+    plots.plot_attainment(res["fig16_conv"], figures, "Qwen2.5-32B on gh200 (calibrated), conversations", "fig16_conv")
+    plots.plot_attainment(res["fig17"], figures, "ablation", "fig17")
     for k, rows in res["knobs"].items():
-        plots.plot_sweep(rows, k, out / f"fig_{k}.png", f"{k} sweep (conversations)", by="policy")
+        plots.plot_sweep(rows, k, figures / f"fig_{k}.png", f"{k} sweep (conversations)", by="policy")
     return figs
 
 

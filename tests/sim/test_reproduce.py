@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import shutil
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path, monkeypatch):
     md = args.out.read_text()
     sections = ("The paper's claims, in its words", "The paper's operating point", "The guard ablation",
                 "Fig. 16 — the paper's workload", "Fig. 16 — LMSYS", "Fig. 16 — ShareGPT conversations",
-                "Fig. 1 ", "Fig. 17 ", "Figs. 18–21", "Table 1 ")  # fmt: skip
+                "Fig. 1 ", "Fig. 17 ", "Figs. 18–21", "Table 1 ", "The DRAM prefix-cache tier")  # fmt: skip
     for heading in sections:
         assert f"## {heading}" in md
     for key in ("fig16", "fig16_lmsys", "fig16_conv"):
@@ -96,8 +97,10 @@ def test_reproduce_writes_every_section_from_one_run(tmp_path, monkeypatch):
     with (tmp_path / "ablation_conv.csv").open() as f:
         abl = list(csv.DictReader(f))
     assert [r["variant"] for r in abl] == [label for label, _ in reproduce.ablation_setups(reproduce.Ctx(args), True)]
+    assert "| ShareGPT, 1000 requests | 12 | lvf-paper |" in md  # the calibration's own runs
     assert "| lvf-paper + admit_watermark |" in md and "| vllm-v1 + slo_chunking |" in md
-    assert (tmp_path / "fig16.png").stat().st_size > 0
+    images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", md)  # every plot the page shows is beside it
+    assert "figures/fig16.png" in images and all((tmp_path / i).stat().st_size > 0 for i in images)
 
     rows_only = tmp_path / "rows_only"  # the rows file and nothing else of the run
     rows_only.mkdir()

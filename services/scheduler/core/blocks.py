@@ -218,6 +218,16 @@ class BlockPool:
         """How many of `blocks` are cached (admission counts this for every candidate)."""
         return sum(map(self._cached.__contains__, blocks))
 
+    def count_cached_clean(self, blocks: Iterable[int]) -> tuple[int, int]:
+        """(cached, clean) among `blocks`, in one pass (admission asks both of every rotary candidate)."""
+        cached, busy = self._cached, self._busy
+        num_cached = num_clean = 0
+        for b in blocks:
+            if b in cached:
+                num_cached += 1
+                num_clean += b not in busy
+        return num_cached, num_clean
+
     def is_clean(self, b: int) -> bool:
         """`b` is cached and no step in flight touches it (it counts in `num_clean`)."""
         return b in self._cached and b not in self._busy

@@ -64,10 +64,10 @@ class Memory:
         token it knows (the rest of its prompt too). A waiting request's prefix found in
         the cache needs no new block, but reviving a cached one takes a free block."""
         if req.status is Status.ROTARY:
-            reused = list(self.hbm_reuse(req).values())
+            reused = self.hbm_reuse(req).values()
             num_new = req.num_schedulable() if reserve_full else num_new_tokens
-            self._num_revived[req.request_id] = self._num_revived_of(reused)
-            return self._blocks_with_hits(reused, req.num_computed_tokens + num_new)
+            num_revived = self._num_revived[req.request_id] = self._num_revived_of(reused)
+            return blocks_for(req.num_computed_tokens + num_new, self.block_size) - len(reused) + num_revived
         hits = self.match_tiers(req)
         if not hits:
             return self.blocks_needed(req, req.num_schedulable() if reserve_full else num_new_tokens)
@@ -368,9 +368,11 @@ class Memory:
         takes back by content)."""
         reused = self.hbm_reuse(req).values()
         num_copy = len(req.dram_blocks) - len(reused)
-        num_clean = self.hbm.num_clean - sum(1 for b in reused if self.hbm.is_clean(b))
-        num_blocks += self._num_revived_of(reused) - self._num_revived.get(req.request_id, 0)
-        return num_copy <= moves_left and num_clean >= num_copy and self.hbm.can_allocate(num_blocks)
+        if num_copy > moves_left:
+            return False
+        num_cached, num_clean_reused = self.hbm.count_cached_clean(reused)
+        num_blocks += num_cached - self._num_revived.get(req.request_id, 0)
+        return self.hbm.num_clean - num_clean_reused >= num_copy and self.hbm.can_allocate(num_blocks)
 
     def swap_in(self, req: Request, step: Step) -> None:
         """Bring a ROTARY request's KV back to HBM. Full blocks whose content is still in

@@ -1,0 +1,194 @@
+"""The reproduction's shared setting and its runs (`bench reproduce`, `bench tier`): Qwen2.5-32B
+on the calibrated gh200, SLOs 5 s / 100 ms, every run once per seed, rows averaged over the
+seeds.
+
+The figures ask for their rows through `Ctx.run`. A whole reproduction asks twice: first with
+`planning` on, which only collects the jobs (the figures' rows are then empty), then, after
+`execute` has run all of them in one pool of processes, the longest first, for the rows. One
+pool for everything keeps both cores busy to the end, where a pool per figure leaves one idle
+while the figure's last run finishes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+from bench.live import workload
+from bench.live.workload import ChatSpec, SyntheticSpec
+from bench.report.metrics import RequestRecord
+from bench.report.rows import mean_rows
+from bench.sim import engine, sweep
+from bench.sim.costmodel import MODELS, load_hardware
+from services.scheduler.core import SchedulerConfig
+
+SLOS = (5.0, 0.1)  # TTFT, TBT (s)
+# ShareGPT conversations turn by turn, each turn's prompt the whole history (their real lengths, up
+# to a 32k context): on the paper's 144 GB the KV-cache fills before the GPU's compute does, where
+# ShareGPT's single first turns never fill it (700 a seed at 4-8 conversations/s do).
+CONVERSATIONS = 700
+CHAT = ChatSpec(multi_turn=True)
+# LMSYS-Chat-1M's length mix as a synthetic workload: its published means (Zheng et al., 2023,
+# arXiv 2309.11998, Table 1: 69.5 prompt and 214.5 response tokens per turn); lognormal lengths
+# with sigma 1 (the spread is ours: the data set does not ship with us).
+LMSYS = SyntheticSpec(input_len=70, output_len=215, dist="lognormal", spread=1.0)
+# The calibration's own runs: ShareGPT long enough for the batch to reach its steady size.
+CALIBRATION_REQUESTS = 1000
+# What tells one run of the reproduction from another (all share the model and hardware): a
+# row's key is its workload and these fields; a job's, the same fields of its setup.
+ROW_KEY = ("rate", "policy", "transfer_mode", "xfer_budget", "alpha", "beta_f", "beta_b", "admit_watermark",
+           "min_residency_s", "rotary_yields", "slo_chunking", "enable_prefix_caching", "kv_offloading_size",
+           "num_hbm_blocks")  # fmt: skip
+WORKLOADS = ("sharegpt", "lmsys", "conversations", "calibration")
+
+
+class Ctx:
+    """The shared setting; `run` gives each job's row, `setup` builds a job's setup."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.hw = load_hardware("gh200")
+        self.model = MODELS["qwen2.5-32b"]
+        self.seeds = list(range(args.seed, args.seed + args.num_seeds))
+        self.num_runs = 0
+        self.planning = False  # collect the jobs `run` is asked for; run them in `execute`
+        self._planned: dict[str, tuple[str, sweep.Job]] = {}
+        self._rows: dict[str, dict] = {}  # rows by job key
+        self._items: dict[str, dict[int, list]] = {}
+
+    @property
+    def items(self) -> list:
+        """The first seed's ShareGPT requests."""
+        return self.items_for("sharegpt")[self.args.seed]
+
+    def items_for(self, wl: str) -> dict[int, list]:
+        """Each seed's work items of workload `wl` (WORKLOADS), loaded on first use."""
+        if wl not in self._items:
+            a = self.args
+            load = {
+                "sharegpt": lambda s: sweep.load_items("sharegpt", a.num_requests, s),
+                "lmsys": lambda s: sweep.load_items("synthetic", a.num_requests, s, synthetic=LMSYS),
+                "conversations": lambda s: sweep.load_items("sharegpt-long", a.conversations, s, chat=CHAT),
+                "calibration": lambda s: sweep.load_items("sharegpt", CALIBRATION_REQUESTS, s),
+            }[wl]
+            self._items[wl] = {s: load(s) for s in self.seeds}
+        return self._items[wl]
+
+    def conversations(self) -> dict[int, list]:
+        return self.items_for("conversations")
+
+    def lmsys(self) -> dict[int, list]:
+        return self.items_for("lmsys")
+
+    def setup(
+        self, policy: str, mode: str = "duplex", hw=None, hbm: int | None = None, model=None, **knobs
+    ) -> engine.SimSetup:
+        d = self.hw.defaults
+        cfg = SchedulerConfig(
+            policy="fcfs" if policy == "neo" else policy,  # NEO offloads under vLLM V1's scheduling
+            max_batched_tokens=d["max_batched_tokens"],
+            max_num_seqs=d["max_num_seqs"],
+            xfer_budget=knobs.pop("xfer_budget", d["xfer_budget"]),
+            ttft_slo=SLOS[0],
+            tbt_slo=SLOS[1],
+            **knobs,
+        )
+        # Each step takes the scheduling time our core's schedule() measured for it (not the
+        # paper's 7.6 ms); it overlaps compute, so it costs only where it is longer.
+        return engine.make_setup(
+            hw or self.hw,
+            model or self.model,
+            cfg,
+            mode,
+            hbm=hbm,
+            sched_time="measured",
+            max_tokens=self.args.max_tokens,
+            neo=policy == "neo",
+        )
+
+    def run(self, jobs: list[sweep.Job], wl: str = "sharegpt") -> list[dict]:
+        """One row per job on workload `wl`: its mean over the seeds, with the spreads
+        (rows.mean_rows). A job run before (the same workload, rate and setup in another figure)
+        is not run again. While `planning`, the jobs are only collected and the rows are empty."""
+        new = {k: j for j in jobs if (k := job_key(wl, j)) not in self._rows}
+        if self.planning:
+            self._planned.update({k: (wl, j) for k, j in new.items()})
+            return [{} for _ in jobs]
+        if new:
+            self._execute([(wl, k, j) for k, j in new.items()])
+        return [self._rows[job_key(wl, j)] for j in jobs]
+
+    def execute(self) -> None:
+        """Run every job collected while planning, all in one pool."""
+        planned, self._planned, self.planning = self._planned, {}, False
+        self._execute([(wl, k, j) for k, (wl, j) in planned.items()])
+
+    def _execute(self, jobs: list[tuple[str, str, sweep.Job]]) -> None:
+        t0 = time.perf_counter()
+        args, tags = [], []
+        for wl, key, job in jobs:
+            for seed, items in self.items_for(wl).items():
+                bare = [replace(it, prompt="") for it in items]  # the text is not simulated; keep pickles small
+                args.append((workload.draw_arrivals(bare, job.rate, 1.0, seed), job.setup, job.rate, *SLOS))
+                tags.append((key, _cost(wl, job)))
+        order = sorted(range(len(args)), key=lambda i: -tags[i][1])  # the longest first
+        self.num_runs += len(args)
+        if self.args.jobs <= 1 or len(args) == 1:
+            done = [sweep.run_one(*args[i]) for i in order]
+        else:
+            with ProcessPoolExecutor(self.args.jobs) as pool:
+                done = list(pool.map(sweep.run_one, *zip(*(args[i] for i in order))))
+        by_key: dict[str, list[dict]] = {}
+        for i, row in zip(order, done):
+            by_key.setdefault(tags[i][0], []).append(row)
+        for key, rows in by_key.items():  # mean_rows takes one list of rows per seed
+            self._rows[key] = mean_rows([[r] for r in rows])[0]
+        took = time.perf_counter() - t0
+        print(f"  {len(jobs)} jobs x {len(self.seeds)} seeds in {took:.0f} s", file=sys.stderr)
+
+    def records(self, setups: list[engine.SimSetup], rate: float) -> list[list[RequestRecord]]:
+        """Each setup's requests in one run on the first seed's conversations (the CDFs of
+        Fig. 1), the runs side by side."""
+        bare = [replace(it, prompt="") for it in self.conversations()[self.args.seed]]
+        items = workload.draw_arrivals(bare, rate, 1.0, self.args.seed)
+        self.num_runs += len(setups)
+        with ProcessPoolExecutor(max(1, min(self.args.jobs, len(setups)))) as pool:
+            return list(pool.map(simulated_records, [items] * len(setups), setups))
+
+
+def _cost(wl: str, job: sweep.Job) -> float:
+    """A run's relative cost, for ordering: the conversations' runs and LVF's scans of its
+    paused requests are the long ones."""
+    lvf = job.setup.cfg.policy in ("lvf", "lvf-paper")
+    return (10.0 if wl == "conversations" else 1.0) * (3.0 if lvf else 1.0) * job.rate
+
+
+def row_key(wl: str, row: dict) -> str:
+    return repr((wl, *(row.get(k) for k in ROW_KEY)))
+
+
+def job_key(wl: str, job: sweep.Job) -> str:
+    cfg, setup = job.setup.cfg, job.setup
+    fields = {k: getattr(cfg, k) for k in ROW_KEY[3:-1]}
+    policy = "neo" if setup.neo_host_blocks else cfg.policy
+    row = {"rate": job.rate, "policy": policy, "transfer_mode": setup.transfer_mode, **fields}
+    return row_key(wl, {**row, "num_hbm_blocks": setup.num_hbm_blocks})
+
+
+def reuse_rows(ctx: Ctx, record: dict, rerun: set[str], workloads: dict[str, str]) -> None:
+    """Seed `ctx`'s rows with a previous run's (`record`, its rows file), but for the policies
+    or workloads in `rerun`: only their jobs then run again. `workloads`: figure -> workload
+    (conversations where not named)."""
+    for fig, rows in record.items():
+        if fig.startswith(("fig", "ablation", "tier", "calibration")) and isinstance(rows, list):
+            wl = workloads.get(fig, "conversations")
+            for r in rows:
+                if r["policy"] not in rerun and wl not in rerun:
+                    ctx._rows[row_key(wl, r)] = {k: v for k, v in r.items() if k != "variant"}
+
+
+def simulated_records(items: list, setup: engine.SimSetup) -> list[RequestRecord]:
+    return engine.simulate(items, setup).records
