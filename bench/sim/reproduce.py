@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 import time
@@ -26,14 +25,9 @@ from bench.report import plots, reproduction
 from bench.report.rows import SYSTEMS, name
 from bench.sim import engine, sweep, tier
 from bench.sim.costmodel import GB, MODES, ideal_time, transfer_time
-from bench.sim.repro_ctx import CHAT, CONVERSATIONS, LMSYS, Ctx, reuse_rows
+from bench.sim.repro_ctx import CHAT, HERE, LMSYS, Ctx, add_arguments, reuse_rows
 from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 
-HERE = Path(__file__).resolve().parents[1]  # bench/
-# ShareGPT's single first turns (the paper's workload) on the calibrated gh200: its compute
-# saturates near 7 req/s (~1.4 k output tok/s), the top rate is past it.
-RATES = (2, 4, 6, 8, 12)
-MAX_TOKENS = 2048  # what the clients ask as max_tokens (a chat front-end's cap); outputs end at their true length
 VLLM_BXFER = 300  # the paper's B_xfer on vLLM's swap path (Fig. 17)
 LVFS = ("lvf-paper", "lvf")  # the paper's LVF (no guard of ours) and ours (our defaults)
 CONV_RATES = (2, 4, 6, 8)  # conversations/s
@@ -145,32 +139,6 @@ def table1(ctx: Ctx) -> list[dict]:
 
 
 # ---------------------------------------------------------------- command
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-requests", type=int, default=500, help="ShareGPT requests per run (default %(default)s)")
-    p.add_argument(
-        "--conversations", type=int, default=CONVERSATIONS, help="ShareGPT conversations per run (default %(default)s)"
-    )
-    p.add_argument("--rates", type=sweep._floats, default=list(RATES), help="requests/s (default 2,4,6,8,12)")
-    p.add_argument("--seed", type=int, default=0, help="the first seed")
-    p.add_argument("--num-seeds", type=int, default=3, help="seeds per run, from --seed (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="the clients' max_tokens cap (default %(default)s)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: the CPUs, %(default)s)")
-    p.add_argument("--out", type=Path, default=HERE / "REPRODUCTION.md")
-    p.add_argument("--results", type=Path, default=HERE / "results")
-    p.add_argument(
-        "--rerun",
-        type=sweep._strs,
-        default=None,
-        help="run only these policies (or workloads: sharegpt, lmsys, conversations) again, the other rows taken "
-        "from --results' rows file (after a policy's code changed)",
-    )
-    p.add_argument(
-        "--from-rows",
-        action="store_true",
-        help="run nothing: rewrite --out from the rows in --results (after `bench simlive` recorded a run)",
-    )
 
 
 def experiments(ctx: Ctx, figures: Path | None) -> dict:

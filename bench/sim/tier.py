@@ -29,6 +29,7 @@ from bench.report.rows import mean_rows
 from bench.report.tier import SYSTEMS, render
 from bench.sim import sweep
 from bench.sim.costmodel import num_kv_blocks
+from bench.sim import repro_ctx
 from bench.sim.repro_ctx import SLOS, Ctx
 from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 
@@ -71,10 +72,8 @@ def compare(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from bench.sim import reproduce
-
-    reproduce.add_arguments(p)
-    p.set_defaults(out=Path(reproduce.HERE) / "results" / "tier.md", conversations=200)
+    repro_ctx.add_arguments(p)
+    p.set_defaults(out=repro_ctx.HERE / "results" / "tier.md", conversations=200)
     p.add_argument("--tier-gib", type=float, default=TIER_GIB, help="kv_offloading_size of both systems (default %(default)s)")
     p.add_argument("--conv-rates", type=sweep._floats, default=list(CONV_RATES), help="conversations/s (default 2,4,6,8)")
     p.add_argument("--hbm-share", type=float, default=HBM_SHARE, help="of the profile's HBM KV pool (default %(default)s)")
