@@ -1,17 +1,12 @@
-"""One request as the gateway keeps it while schedulers come and go, and one scheduler as the
-gateway sees it (scheduler_client.py drives both)."""
+"""One request as the gateway keeps it while schedulers come and go (scheduler_client.py)."""
 
 from __future__ import annotations
 
 import asyncio
 
 import msgspec
-import zmq.asyncio
 
-from services.gateway.headroom import headroom_score, num_blocks
-from shared.protocol import AddRequest, RequestError, SchedulerStats, TokenOutput
-
-STALE_AFTER_S = 5.0  # no message for this long: the scheduler is considered gone
+from shared.protocol import AddRequest, RequestError, TokenOutput
 
 Reply = TokenOutput | RequestError
 
@@ -24,7 +19,7 @@ class RequestHandle:
     id, then `<id>~<n>` for the n-th resubmission), so late replies from a lost scheduler
     never reach the new attempt."""
 
-    def __init__(self, req: AddRequest, link: SchedulerLink) -> None:
+    def __init__(self, req: AddRequest, link: object) -> None:  # link: scheduler_client.SchedulerLink
         self.req = req
         self.request_id = req.request_id
         self.link = link
@@ -55,50 +50,3 @@ class RequestHandle:
 
     def num_generated(self) -> int:
         return len(self.req.output_token_ids) + len(self.token_ids)
-
-
-class SchedulerLink:
-    """One scheduler: its socket, its latest load report, and the requests it serves."""
-
-    def __init__(self, addr: str, socket: zmq.asyncio.Socket) -> None:
-        self.addr = addr
-        self.socket = socket
-        self.stats: SchedulerStats | None = None
-        self.last_seen = float("-inf")
-        self.request_ids: set[str] = set()  # wire ids of the requests it serves
-        self.abandoned: set[str] = set()  # wire ids to abort when it is heard from again
-        self.next_hello = 0.0
-        self.unreachable = False  # a send failed: out of rotation until it is heard from again
-        # Requests sent since the last load report, which does not count them yet.
-        self.num_unreported = 0
-        self.num_unreported_blocks = 0
-
-    def is_live(self, now: float) -> bool:
-        return self.stats is not None and not self.unreachable and now - self.last_seen < STALE_AFTER_S
-
-    def routable(self, now: float) -> bool:
-        return self.is_live(now) and self.stats.worker_ready
-
-    def holds(self, now: float) -> bool:
-        """There, not draining, its worker not ready: it holds a resubmission until one is."""
-        return self.is_live(now) and not self.stats.worker_ready and not self.stats.draining
-
-    def score(self) -> float:
-        return headroom_score(self.stats, self.num_unreported, self.num_unreported_blocks)
-
-    def is_new_instance(self, stats: SchedulerStats) -> bool:
-        return self.stats is not None and stats.scheduler_id != self.stats.scheduler_id
-
-    def on_sent(self, req: AddRequest) -> None:
-        self.request_ids.add(req.request_id)
-        self.num_unreported += 1
-        self.num_unreported_blocks += num_blocks(req, self.stats.block_size if self.stats else 0)
-
-    def on_report(self, stats: SchedulerStats, now: float) -> None:
-        self.stats = stats
-        self.num_unreported = self.num_unreported_blocks = 0
-        self.on_heard(now)
-
-    def on_heard(self, now: float) -> None:
-        self.last_seen = now
-        self.unreachable = False

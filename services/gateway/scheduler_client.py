@@ -44,7 +44,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from services.gateway.errors import unavailable
-from services.gateway.request_handle import STALE_AFTER_S, RequestHandle, SchedulerLink
+from services.gateway.headroom import headroom_score, num_blocks
+from services.gateway.request_handle import RequestHandle
 from shared import zmqsec
 from shared.config import DEFAULT_FAILOVER_GRACE_S, ZMQ_HWM, ZMQ_LINGER_MS
 from shared.protocol import (
@@ -62,6 +63,7 @@ from shared.protocol import (
 
 HEARTBEAT_S = 1.0
 RETRY_HELLO_S = 0.1  # until a hello gets through (the connection is still being made)
+STALE_AFTER_S = 5.0  # no message for this long: the scheduler is considered gone
 MAX_RECV_PER_TICK = 256
 TIE_EPS = 1e-9  # scores closer than this are a tie
 
@@ -69,6 +71,53 @@ log = structlog.get_logger()
 Reply = TokenOutput | RequestError
 # A resubmission refused with one of these waits for another try, not the client's error.
 RETRY_ELSEWHERE = ("overloaded", "service_unavailable")
+
+
+class SchedulerLink:
+    """One scheduler: its socket, its latest load report, and the requests it serves."""
+
+    def __init__(self, addr: str, socket: zmq.asyncio.Socket) -> None:
+        self.addr = addr
+        self.socket = socket
+        self.stats: SchedulerStats | None = None
+        self.last_seen = float("-inf")
+        self.request_ids: set[str] = set()  # wire ids of the requests it serves
+        self.abandoned: set[str] = set()  # wire ids to abort when it is heard from again
+        self.next_hello = 0.0
+        self.unreachable = False  # a send failed: out of rotation until it is heard from again
+        # Requests sent since the last load report, which does not count them yet.
+        self.num_unreported = 0
+        self.num_unreported_blocks = 0
+
+    def is_live(self, now: float) -> bool:
+        return self.stats is not None and not self.unreachable and now - self.last_seen < STALE_AFTER_S
+
+    def routable(self, now: float) -> bool:
+        return self.is_live(now) and self.stats.worker_ready
+
+    def holds(self, now: float) -> bool:
+        """There, not draining, its worker not ready: it holds a resubmission until one is."""
+        return self.is_live(now) and not self.stats.worker_ready and not self.stats.draining
+
+    def score(self) -> float:
+        return headroom_score(self.stats, self.num_unreported, self.num_unreported_blocks)
+
+    def is_new_instance(self, stats: SchedulerStats) -> bool:
+        return self.stats is not None and stats.scheduler_id != self.stats.scheduler_id
+
+    def on_sent(self, req: AddRequest) -> None:
+        self.request_ids.add(req.request_id)
+        self.num_unreported += 1
+        self.num_unreported_blocks += num_blocks(req, self.stats.block_size if self.stats else 0)
+
+    def on_report(self, stats: SchedulerStats, now: float) -> None:
+        self.stats = stats
+        self.num_unreported = self.num_unreported_blocks = 0
+        self.on_heard(now)
+
+    def on_heard(self, now: float) -> None:
+        self.last_seen = now
+        self.unreachable = False
 
 
 def send_now(socket: zmq.asyncio.Socket, data: bytes) -> bool:
