@@ -177,11 +177,9 @@ def step_weight_bytes(model: LlamaModel) -> int:
     for m in model.modules():
         if not isinstance(m, Linear):
             continue
-        if m.quant is not None:
-            total += m.quant.data.numel()
-        else:
-            w = m.panels if m.panels is not None else m.weight if m.weight is not None else m.tiles
-            total += w.numel() * w.element_size()
+        w = m.quant.data if m.quant is not None else m.panels if m.panels is not None else m.weight
+        w = w if w is not None else m.tiles
+        total += w.numel() * w.element_size()  # packed bf16 weights are bfloat16 elements, the rest bytes
     return total
 
 
