@@ -220,13 +220,8 @@ class BlockPool:
 
     def count_cached_clean(self, blocks: Iterable[int]) -> tuple[int, int]:
         """(cached, clean) among `blocks`, in one pass (admission asks both of every rotary candidate)."""
-        cached, busy = self._cached, self._busy
-        num_cached = num_clean = 0
-        for b in blocks:
-            if b in cached:
-                num_cached += 1
-                num_clean += b not in busy
-        return num_cached, num_clean
+        cached = list(filter(self._cached.__contains__, blocks))
+        return len(cached), len(cached) - sum(map(self._busy.__contains__, cached))
 
     def is_clean(self, b: int) -> bool:
         """`b` is cached and no step in flight touches it (it counts in `num_clean`)."""
@@ -249,15 +244,18 @@ class BlockPool:
         """Drop one reference on each block; one that no request holds any more becomes free
         (cached if hashed). `busy_step`: a step still in flight touches them (rule 2)."""
         plain: list[int] = []
+        deferred_again: list[int] = []
+        busy: list[int] = []
+        ref, deferred_until = self.ref, self._deferred_until
         for b in reversed(ids):  # the tail of a sequence is evicted before its prefix
-            self.ref[b] -= 1
-            if self.ref[b] > 0:
+            ref[b] -= 1
+            if ref[b] > 0:
                 continue
-            if b in self._deferred_until:  # revived while deferred: deferred again
+            if b in deferred_until:  # revived while deferred: deferred again
                 self.num_deferred += 1
-                if busy_step is not None and busy_step > self._deferred_until[b]:
-                    self._deferred_until[b] = busy_step
-                    _insert(self._deferred, busy_step, [b])
+                if busy_step is not None and busy_step > deferred_until[b]:
+                    deferred_until[b] = busy_step
+                    deferred_again.append(b)
                 continue
             if self.hash_of[b] is not None:
                 self._cached[b] = None
@@ -265,9 +263,13 @@ class BlockPool:
                     self.newly_cached.append(b)
                 if busy_step is not None:
                     self._busy[b] = busy_step
-                    _insert(self._busy_steps, busy_step, [b])
+                    busy.append(b)
             else:
                 plain.append(b)
+        if deferred_again:
+            _insert(self._deferred, busy_step, deferred_again)
+        if busy:
+            _insert(self._busy_steps, busy_step, busy)
         if busy_step is None:
             self._free.extend(plain)
         elif plain:
@@ -291,6 +293,7 @@ class BlockPool:
     def release_through(self, step_id: int) -> None:
         while self._deferred and self._deferred[0][0] <= step_id:
             s, ids = self._deferred.pop(0)
+            released: list[int] = []
             for b in ids:
                 if self._deferred_until.get(b) != s:
                     continue  # deferred again by a later step
@@ -298,7 +301,9 @@ class BlockPool:
                 if self.ref[b] == 0:
                     self.num_deferred -= 1
                     self.ref[b] = 1
-                    self.free([b])
+                    released.append(b)
+            released.reverse()  # `free` walks its list from the end: freed in `ids` order
+            self.free(released)
         while self._recent and self._recent[0][0] <= step_id:
             _, ids = self._recent.pop(0)
             self._free.extend(ids)

@@ -44,20 +44,26 @@ def schedule_running(core: PolicyView, step: Step, order: list[Request], preempt
     A request short of blocks preempts the request at the end of `order` that has not
     been scheduled this step (possibly itself); without `preempt` it waits a step."""
     todo = [(req, n) for req in order if req.status is Status.RUNNING and (n := req.num_schedulable())]
-    for decodes in (True, False):
-        for req, num_new in todo:
-            if step.tokens_left == 0 or step.seqs_left == 0:
-                return
-            if (num_new == 1) != decodes or req.status is not Status.RUNNING or step.is_scheduled(req):
-                continue  # the other pass's, or preempted or scheduled since
-            num_new = core.grant(req, step)
+    decodes = [e for e in todo if e[1] == 1]
+    prefills = [e for e in todo if e[1] != 1]
+    memory, step_id = core.memory, step.step_id
+    victims = order if preempt else []
+    for req, num_new in itertools.chain(decodes, prefills):
+        if step.tokens_left == 0 or step.seqs_left == 0:
+            return
+        if req.status is not Status.RUNNING or req.scheduled_step == step_id:
+            continue  # preempted or scheduled since (`step.is_scheduled`)
+        if num_new > 1:  # a decode is granted its token: the budgets are not spent
+            # `num_new` is still its `num_schedulable()`: only its own scheduling or preemption changes that
+            num_new = core.grant(req, step, wanted=num_new)
             if num_new == 0:
                 continue  # the step's prefill cap is spent
-            need = core.memory.blocks_needed(req, num_new)
-            step.num_blocks_wanted += need
-            if make_room(core, step, req, need, order if preempt else []):
-                core.memory.grow(req, num_new)
-                step.schedule(req, num_new)
+        need = memory.blocks_needed(req, num_new)
+        step.num_blocks_wanted += need
+        if make_room(core, step, req, need, victims):
+            if need > 0:  # most decodes' last block has room
+                memory.grow(req, num_new)
+            step.schedule(req, num_new)
 
 
 def make_room(core: PolicyView, step: Step, req: Request, need: int, order: list[Request]) -> bool:
@@ -95,9 +101,9 @@ def admit_in_order(core: PolicyView, step: Step, candidates: Iterable[Request]) 
             return
         if len(core.running) >= core.cfg.max_num_seqs:
             return
-        if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
+        if req.preempted_step == step.step_id or req.num_pending or not (wanted := req.num_schedulable()):
             continue  # not back in the step that evicted it; or its sample is in flight
-        num_new = core.grant(req, step)
+        num_new = core.grant(req, step, wanted=wanted)
         if num_new == 0:
             return  # the step's prefill cap is spent
         room = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)

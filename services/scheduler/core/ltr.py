@@ -78,9 +78,9 @@ def serve_ranked(core: PolicyView, step: Step, order: list[Request], rank) -> No
         if step.tokens_left == 0 or step.seqs_left == 0:
             return
         if req.status is Status.RUNNING:
-            if step.is_scheduled(req) or not req.num_schedulable():
+            if step.is_scheduled(req) or not (wanted := req.num_schedulable()):
                 continue
-            num_new = core.grant(req, step)
+            num_new = core.grant(req, step, wanted=wanted)
             if num_new == 0:
                 return
             need = memory.blocks_needed(req, num_new)
@@ -91,11 +91,11 @@ def serve_ranked(core: PolicyView, step: Step, order: list[Request], rank) -> No
             continue
         if req.status not in (Status.WAITING, Status.ROTARY):
             continue  # preempted earlier in this walk
-        if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
+        if req.preempted_step == step.step_id or req.num_pending or not (wanted := req.num_schedulable()):
             continue
         if len(core.running) >= cfg.max_num_seqs:
             continue  # no slot: the running requests ranked below still take their tokens
-        num_new = core.grant(req, step)
+        num_new = core.grant(req, step, wanted=wanted)
         if num_new == 0:
             return
         room = memory.blocks_to_admit(req, num_new, cfg.reserve_full_prompt)

@@ -63,21 +63,26 @@ def lvf_candidates(core: PolicyView, now: float) -> Iterator[tuple[float, Reques
     start to lag."""
     cfg = core.cfg
     first, emitted = core.q_first.iter_sorted(), core.q_emitted.iter_sorted()
-    head_f, head_e = next(first, None), next(emitted, None)
+
+    def head(stream: Iterator[tuple[float, Request]], is_emitted: bool) -> tuple[float, float, Request] | None:
+        """(VLT, lag key, request) of the stream's next request, None at its end."""
+        entry = next(stream, None)
+        return None if entry is None else (lag_vlt(entry[0], is_emitted, now, cfg), entry[0], entry[1])
+
+    head_f, head_e = head(first, False), head(emitted, True)
     while head_f is not None or head_e is not None:
         if head_e is None:
             take_f = True
         elif head_f is None:
             take_f = False
         else:
-            vf, ve = lag_vlt(head_f[0], False, now, cfg), lag_vlt(head_e[0], True, now, cfg)
-            take_f = (vf, -head_f[0]) >= (ve, -head_e[0])
+            take_f = (head_f[0], -head_f[1]) >= (head_e[0], -head_e[1])
         if take_f:
-            yield lag_vlt(head_f[0], False, now, cfg), head_f[1]
-            head_f = next(first, None)
+            yield head_f[0], head_f[2]
+            head_f = head(first, False)
         else:
-            yield lag_vlt(head_e[0], True, now, cfg), head_e[1]
-            head_e = next(emitted, None)
+            yield head_e[0], head_e[2]
+            head_e = head(emitted, True)
 
 
 def admit_by_vlt(
@@ -87,11 +92,11 @@ def admit_by_vlt(
     num_decodes = sum(1 for r in tail if r.num_schedulable() == 1)  # token reserve
     watermark = round(core.cfg.admit_watermark * memory.hbm.num_blocks)
     for v, req in candidates:
-        if req.preempted_step == step.step_id or req.num_pending or not req.num_schedulable():
+        if req.preempted_step == step.step_id or req.num_pending or not (wanted := req.num_schedulable()):
             continue  # evicted this step, or its sample is in flight
         if step.tokens_left - num_decodes <= 0 or step.seqs_left - num_decodes <= 0:
             return
-        num_new = core.grant(req, step, reserve=num_decodes)
+        num_new = core.grant(req, step, reserve=num_decodes, wanted=wanted)
         if num_new == 0:
             continue  # the step's prefill cap is spent; a paused decode may still fit
         need = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)

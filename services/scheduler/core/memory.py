@@ -198,8 +198,8 @@ class Memory:
         planned in steps before the one being built (a step must not read a block that
         the same step writes): at the start of a step, and when a request lets go of
         its blocks (it is not scheduled in the step that preempts it)."""
-        if not self.caching:
-            return
+        if not self.caching or req.num_computed_tokens < (req.num_hashed_blocks + 1) * self.block_size:
+            return  # no new full block (the cheap test: every step asks this of each running request)
         num_full = min(req.num_computed_tokens, req.num_tokens, len(req.hbm_blocks) * self.block_size)
         num_full //= self.block_size
         if num_full <= req.num_hashed_blocks:
@@ -227,10 +227,11 @@ class Memory:
         request, cached, or being copied out): block index -> HBM block. Its swap-in takes
         them by reference instead of copying them. Admission asks this of every rotated-out
         request in every step: the HBM pool keeps the answer up to date."""
-        num_full = self._num_full(req, req.num_computed_tokens)
+        num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size if self.caching else 0
         memo = self._reuse.get(req.request_id)
         if memo is not None and len(memo[0]) == num_full:
-            return memo[1]
+            return memo[1]  # (its hashes were computed when the memo was made)
+        self._num_full(req, req.num_computed_tokens)  # hashes them
         self._forget_reuse(req)
         hashes = req.block_hashes[:num_full]
         self._reuse[req.request_id] = (hashes, self.hbm.watch(req.request_id, hashes))

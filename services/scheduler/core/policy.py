@@ -28,9 +28,10 @@ class PolicyView(Protocol):
     num_finished: int
     num_finished_output_tokens: int  # outputs of the requests finished so far, summed
 
-    def grant(self, req: Request, step: Step, reserve: int = 0) -> int:
-        """Tokens `req` may compute this step: its schedulable ones within the step's token
-        budget less `reserve`, and a prefill chunk within the step's prefill cap. 0 when none."""
+    def grant(self, req: Request, step: Step, reserve: int = 0, wanted: int | None = None) -> int:
+        """Tokens `req` may compute this step: its schedulable ones (`wanted`, when the caller
+        has `req.num_schedulable()` at hand) within the step's token budget less `reserve`,
+        and a prefill chunk within the step's prefill cap. 0 when none."""
         ...
 
     def admit(self, req: Request, step: Step, num_new_tokens: int) -> None:

@@ -77,7 +77,7 @@ class Request:
     @property
     def num_known(self) -> int:
         """Tokens whose positions are known: prompt + outputs + pending samples."""
-        return self.num_tokens + self.num_pending
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def has_emitted(self) -> bool:
@@ -110,8 +110,9 @@ class Request:
         """Finish reason after a token was appended, or None."""
         if stop:
             return "stop"
-        if len(self.output_token_ids) >= self.params.max_tokens:
+        num_out = len(self.output_token_ids)
+        if num_out >= self.params.max_tokens:
             return "length"
-        if self.num_tokens >= self.max_model_len:
+        if len(self.prompt_token_ids) + num_out >= self.max_model_len:  # num_tokens
             return "length"
         return None

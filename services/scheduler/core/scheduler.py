@@ -147,8 +147,9 @@ class SchedulerCore:
         if num_tokens and result.timings.compute_s > 0:
             self.step_time.observe(num_tokens, result.timings.compute_s)
         outputs: list[TokenOutput] = []
+        live, logprobs, prompt_logprobs = self.requests, result.logprobs, result.prompt_logprobs
         for request_id, token in zip(result.request_ids, result.token_ids):
-            req = self.requests.get(request_id)
+            req = live.get(request_id)
             if req is None or req.num_pending == 0:
                 continue
             req.num_pending -= 1
@@ -164,10 +165,10 @@ class SchedulerCore:
             if len(req.output_token_ids) == 1:
                 out.num_cached_tokens = req.num_cached_tokens
                 out.num_dram_cached_tokens = req.num_dram_cached_tokens
-            if request_id in result.logprobs:  # only requests that asked have an entry
-                out.logprobs = [result.logprobs[request_id]]
-            if request_id in result.prompt_logprobs:
-                out.prompt_logprobs = result.prompt_logprobs[request_id]
+            if request_id in logprobs:  # only requests that asked have an entry
+                out.logprobs = [logprobs[request_id]]
+            if request_id in prompt_logprobs:
+                out.prompt_logprobs = prompt_logprobs[request_id]
             outputs.append(out)
         return outputs
 
@@ -267,8 +268,8 @@ class SchedulerCore:
 
     # ------------------------------------------------------------ transitions used by policies (policy.PolicyView)
 
-    def grant(self, req: Request, step: Step, reserve: int = 0) -> int:  # PolicyView.grant
-        num = min(req.num_schedulable(), step.tokens_left - reserve)
+    def grant(self, req: Request, step: Step, reserve: int = 0, wanted: int | None = None) -> int:  # PolicyView.grant
+        num = min(req.num_schedulable() if wanted is None else wanted, step.tokens_left - reserve)
         if num > 1:
             num = min(num, step.prefill_left)
         return max(num, 0)
