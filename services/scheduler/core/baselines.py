@@ -191,9 +191,10 @@ def lightllm_tokens(req: Request, busy: bool, chunk: int) -> tuple[int, int]:
         est = cap
     else:
         est = min(cap, max(int(1.1 * num_out), ROUTER_MAX_NEW_TOKEN_LEN))
-    num_left = max(req.num_known - req.num_computed_tokens, 0)
+    num_known = req.num_known
+    num_left = max(num_known - req.num_computed_tokens, 0)
     num_chunks = -(-num_left // chunk)
-    held = max(req.num_known + 1, req.num_computed_tokens + 1)
+    held = max(num_known + 1, req.num_computed_tokens + 1)
     to_come = max(0, num_chunks * (ROUTER_MAX_WAIT_TOKENS + 1) + est - num_out - 1) + ADDED_OUTPUT_LEN
     return held, to_come
 
