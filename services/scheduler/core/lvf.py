@@ -106,9 +106,12 @@ def admit_by_vlt(
         num_in = memory.num_swap_in_copies(req)
         if num_in > step.moves_left:
             return  # its swap-in does not fit in this step's copy budget
-        if not memory.hbm.can_allocate(need):
+        may_fit = memory.hbm.can_allocate(need)
+        if not may_fit:
+            num_preempted = step.num_preempted
             num_decodes -= _displace(core, step, need, num_in, _victims(core, step, req, v, tail))
-        if not _fits(core, req, need, step):
+            may_fit = step.num_preempted > num_preempted  # else HBM is as it was: no room (as `_fits` would say)
+        if not (may_fit and _fits(core, req, need, step)):
             if req.has_emitted and core.cfg.rotary_yields:
                 continue
             return
