@@ -6,7 +6,7 @@ Every number in the Markdown comes from this run, except the last section's: the
 against the live server, read from the runs `superinfer bench simlive` recorded in
 bench/results/simlive_runs.jsonl. The rows and one CSV per figure go to bench/results/, the
 plots to bench/figures/ (beside the Markdown, which shows them). The whole reproduction
-takes under 20 minutes on two idle cores (its jobs in one pool, repro_ctx.py). The Markdown is
+takes about 17 minutes on two idle cores (its jobs in one pool, repro_ctx.py). The Markdown is
 rendered from the rows file (reproduction.json, which records the setting too) and those
 runs alone: `--from-rows` re-renders it without running anything.
 """
