@@ -119,7 +119,7 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
     soak.add_arguments(parser)
     args = parser.parse_args([
         "--duration", "15", "--capacity-s", "8", "--capacity-skip-s", "3", "--warmup-s", "3", "--clients", "4",
-        "--load", "4", "--max-output", "24", "--num-prompts", "200", "--hbm-blocks", "72", "--max-waiting", "2",
+        "--load", "8", "--max-output", "24", "--num-prompts", "200", "--hbm-blocks", "72", "--max-waiting", "2",
         "--disconnect-frac", "0.3", "--patience", "2", "--json", str(out), "--log-dir", str(tmp_path),
     ])  # fmt: skip
     rc = soak.run(args)
@@ -130,8 +130,10 @@ def test_short_soak_loses_nothing_and_leaks_nothing(tmp_path):
     assert r["rejected"] + r["accepted"] == r["sent"] > 0
     assert r["accepted"] == r["completed"] + r["disconnected"]
     assert r["completed"] > 0 and r["disconnected"] > 0 and r["disconnected_before_first_token"] > 0
-    assert r["rejected"] > 0  # overload meets the admission bound, not a queue
-    assert r["offered_req_s"] == pytest.approx(4 * r["capacity_req_s"]) and r["capacity_req_s"] > 0
+    # Overload meets the admission bound, not a queue. 8x the capacity, not less: the capacity is
+    # measured in 8 s, and on a shared machine the soak that follows may run twice as fast.
+    assert r["rejected"] > 0
+    assert r["offered_req_s"] == pytest.approx(8 * r["capacity_req_s"]) and r["capacity_req_s"] > 0
     sched = r["scheduler"]
     assert sched["finished"] >= r["completed"] and sched["finished"] + sched["aborted"] <= r["accepted"]
     assert r["rss_start_mb"] > 0 and r["rss_peak_mb"] >= max(r["rss_start_mb"], r["rss_end_mb"])
