@@ -14,6 +14,7 @@
 #include "kernels.h"
 
 #define BF_ROWS 12
+#define BF_PREFETCH 16 /* pairs (64-byte lines of a panel) ahead */
 
 static int bf16_force_portable = 0;
 
@@ -57,8 +58,11 @@ static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *xb, 
     for (int r = 0; r < M; r++) a0[r] = a1[r] = c0[r] = c1[r] = _mm512_setzero_ps();
     const int two_chains = M <= 4;
     for (int64_t j = 0; j < pairs; j += 1 + two_chains) {
-        _mm_prefetch((const char *)(w0 + (j + 16) * 32), _MM_HINT_T0);
-        if (P == 2) _mm_prefetch((const char *)(w1 + (j + 16) * 32), _MM_HINT_T0);
+        /* every line of each panel, BF_PREFETCH lines ahead (a step of two chains reads two) */
+        for (int64_t i = j; i <= j + two_chains; i++) {
+            _mm_prefetch((const char *)(w0 + (i + BF_PREFETCH) * 32), _MM_HINT_T0);
+            if (P == 2) _mm_prefetch((const char *)(w1 + (i + BF_PREFETCH) * 32), _MM_HINT_T0);
+        }
         const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + j * 32);
         const __m512bh v1 = (__m512bh)(P == 2 ? _mm512_loadu_si512(w1 + j * 32) : _mm512_setzero_si512());
         for (int r = 0; r < M; r++) {
