@@ -14,8 +14,8 @@ load), the same model file:
 - one-stream decode ITL: the median of `--steps` decode steps of one request at a
   `--context`-token context, with the bytes of weights a step reads (every layer matrix and
   the head, in the layout the worker holds), and the memory-bandwidth limit for those bytes:
-  the time of one read of that many bytes, measured here (`--read-gb` GB buffer summed,
-  the median of 5) — the ITL no kernel could beat; beside it the limit for the weights and
+  the time of one read of that many bytes, measured here in turns with the steps (`--read-gb`
+  GB buffer summed once a round, the median) — the ITL no kernel could beat; beside it the limit for the weights and
   the `--context` tokens of KV a step reads too (float32 K and V of every layer: at 512 tokens
   ~24 MB, a quarter of the packed GGUF's weights), which the attention cannot skip.
 
@@ -88,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
         }
         print(f"{name}: agreement {out['token_agreement']:.3f}, ppl {out['perplexity']:.3f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
-    gbps = read_bandwidth_gbps(args.read_gb)
-    itl = decode_itl(models, cfg, args.context, args.steps)
+    itl, gbps = decode_itl(models, cfg, args.context, args.steps, args.read_gb)
     results["read_gbps"] = gbps
     for name, out in results["precisions"].items():
         kv_dtype = next(models[name][0].parameters()).dtype  # the pool's (decode_itl)
@@ -191,20 +190,11 @@ def step_weight_bytes(model: LlamaModel) -> int:
     return total
 
 
-def read_bandwidth_gbps(gb: float) -> float:
-    """GB/s of one pass summing a buffer far larger than the caches (median of 5)."""
-    buf = torch.ones(int(gb * 1e9) // 4, dtype=torch.float32)
-    times = []
-    for _ in range(6):
-        t = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t)
-    return buf.numel() * 4 / statistics.median(times[1:]) / 1e9
-
-
 @torch.inference_mode()
-def decode_itl(models: dict, cfg, context: int, steps: int) -> dict[str, float]:
-    """ms of a one-request decode step at `context` tokens; precisions in turns, a step each."""
+def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> tuple[dict[str, float], float]:
+    """ms of a one-request decode step at `context` tokens per precision, and the GB/s of one pass
+    summing a `read_gb` GB buffer (far larger than the caches). Measured in turns, a step of each
+    precision and a read each round, so that the limit and the steps see the same machine."""
     blocks = -(-(context + steps + 1) // BLOCK)
     state = {}
     for name, (model, _) in models.items():
@@ -214,15 +204,21 @@ def decode_itl(models: dict, cfg, context: int, steps: int) -> dict[str, float]:
         meta = build_metadata([0], [context], [list(range(blocks))], BLOCK, "cpu")
         model(ids, torch.arange(context), meta, pool, torch.tensor([context - 1]))
         state[name] = (model, pool, [])
+    buf, reads = torch.ones(int(read_gb * 1e9) // 4, dtype=torch.float32), []
     for i in range(steps + 2):
         for name, (model, pool, times) in state.items():
             pos = context + i
             meta = build_metadata([pos], [1], [list(range(blocks))], BLOCK, "cpu")
             t = time.perf_counter()
             model(torch.tensor([7]), torch.tensor([pos]), meta, pool, torch.tensor([0]))
-            if i >= 2:  # two warm-up steps
+            if i >= 2:  # two warm-up rounds
                 times.append(time.perf_counter() - t)
-    return {name: 1e3 * statistics.median(times) for name, (_, _, times) in state.items()}
+        t = time.perf_counter()
+        buf.sum()
+        if i >= 2:
+            reads.append(time.perf_counter() - t)
+    gbps = buf.numel() * 4 / statistics.median(reads) / 1e9
+    return {name: 1e3 * statistics.median(times) for name, (_, _, times) in state.items()}, gbps
 
 
 def markdown(results: dict) -> str:
