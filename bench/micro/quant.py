@@ -14,10 +14,11 @@ load), the same model file:
 - one-stream decode ITL: the median of `--steps` decode steps of one request at a
   `--context`-token context, with the bytes of weights a step reads (every layer matrix and
   the head, in the layout the worker holds), and the memory-bandwidth limit for those bytes:
-  the time of one read of that many bytes, measured here in turns with the steps (`--read-gb`
-  GB buffer summed once a round, the median) — the ITL no kernel could beat; beside it the limit for the weights and
-  the `--context` tokens of KV a step reads too (float32 K and V of every layer: at 512 tokens
-  ~24 MB, a quarter of the packed GGUF's weights), which the attention cannot skip.
+  the time of one read of that many bytes, measured here in turns with the steps (a
+  `--read-gb` GB buffer summed once a round, the median) — the ITL no kernel could beat; and
+  beside it the limit for the weights and the `--context` tokens of KV a step's attention
+  reads too (float32 K and V of every layer: ~24 MB at 512 tokens, a quarter of the GGUF's
+  packed weights).
 
 The CPU may be shared: the precisions' ITLs are measured in turns, one step each, so a noisy
 neighbour slows all alike; compare them as ratios of this run. Writes JSON (`--json`).
