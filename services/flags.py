@@ -145,11 +145,19 @@ def worker_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16", "gguf", "q8_0", "q4_0", "q4_1"],
         default="auto",
-        help="weights and KV cache: auto is bfloat16 on CUDA, float32 on CPU; gguf serves a quantized GGUF's "
-        "own format on CPU (its matrices kept packed, int8 activations: faster, but greedy tokens may "
-        "differ after a preemption's recompute); q8_0/q4_0/q4_1 quantize the matrices at load (CPU; "
-        "activations and KV float32); bfloat16 on a CPU with AVX512-BF16: bfloat16 matrices, float32 "
-        "activations and KV (default %(default)s)",
+        help="weights (and KV cache, see --kv-cache-dtype): auto is bfloat16 on CUDA, float32 on CPU; gguf "
+        "serves a quantized GGUF's own format on CPU (its matrices kept packed, int8 activations: faster, "
+        "but greedy tokens may differ after a preemption's recompute); q8_0/q4_0/q4_1 quantize the "
+        "matrices at load (CPU; activations float32); bfloat16 on a CPU with AVX512-BF16: bfloat16 "
+        "matrices, float32 activations (default %(default)s)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the KV cache's element type: auto is the weights' (bfloat16 for --dtype bfloat16 and the "
+        "quantized ones, else float32); bfloat16 holds twice the tokens in the same memory and halves "
+        "what a decode step reads of it, at a rounding of keys and values (default %(default)s)",
     )
     g.add_argument(
         "--hbm-blocks",

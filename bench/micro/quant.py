@@ -17,8 +17,12 @@ load), the same model file:
   the time of one read of that many bytes, measured here in turns with the steps (a
   `--read-gb` GB buffer summed once a round, the median) — the ITL no kernel could beat; and
   beside it the limit for the weights and the `--context` tokens of KV a step's attention
-  reads too (float32 K and V of every layer: ~24 MB at 512 tokens, a quarter of the GGUF's
-  packed weights).
+  reads too (K and V of every layer: ~24 MB at 512 tokens in float32, a quarter of the GGUF's
+  packed weights; half that in bfloat16).
+
+Each precision keeps its KV as the worker does by default (`--kv-cache-dtype auto`: bfloat16
+beside the 16-bit and quantized matrices, float32 beside float32); `NAME:KV` (`gguf:float32`)
+measures a precision with the KV in another dtype, beside the default in the same run.
 
 The CPU may be shared: the precisions' ITLs are measured in turns, one step each, so a noisy
 neighbour slows all alike; compare them as ratios of this run. Writes JSON (`--json`).
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 from services.worker.attention import build_metadata
 from services.worker.model import LlamaModel, Linear
 from services.worker.runner import ModelRunner, allocate_kv_pool, load_model
+from services.worker.service import resolve_kv_dtype
 from services.worker.weights import gguf_quantization
 from shared.config import kv_block_bytes
 from shared.modelfile import resolve_model_path
@@ -54,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precisions", default="float32,bf16,gguf,q8_0,q4_0,q4_1",
                    help="comma-separated: float32; bf16 (bfloat16 matrices, float32 activations: what --dtype "
                    "bfloat16 serves on AVX512-BF16); bfloat16 (the whole model, torch ops); gguf (the file's "
-                   "own quantization, kept packed); q8_0, q4_0, q4_1 (quantized at load)")  # fmt: skip
+                   "own quantization, kept packed); q8_0, q4_0, q4_1 (quantized at load); NAME:KV (gguf:float32) "
+                   "with the KV in that dtype instead of the worker's default for NAME")  # fmt: skip
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompts cut to at most this many tokens")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
@@ -71,20 +77,24 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     names = [n.strip() for n in args.precisions.split(",") if n.strip()]
-    if "gguf" in names and gguf_quantization(path) is None:
-        names.remove("gguf")
+    if gguf_quantization(path) is None:
+        names = [n for n in names if n.split(":")[0] != "gguf"]
     prompts, text = chat_prompts(path, args), fixed_text(path, args.ppl_tokens)
     results: dict = {"model": str(path), "threads": torch.get_num_threads(), "precisions": {}}
     reference, models = None, {}
     for name in names:  # each measured as soon as it is loaded
         t0 = time.perf_counter()
-        dtype = torch.bfloat16 if name == "bfloat16" else torch.float32 if name == "float32" else name
-        model, cfg = models[name] = load_model(path, "cpu", dtype)
-        tokens = generate(model, cfg, prompts, args.tokens)
+        weights, _, kv_name = name.partition(":")
+        dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32 if weights == "float32" else weights
+        kv = resolve_kv_dtype(kv_name or "auto", dtype)
+        model, cfg = load_model(path, "cpu", dtype)
+        models[name] = (model, cfg, kv)
+        tokens = generate(model, cfg, prompts, args.tokens, kv)
         reference = reference or tokens
         out = results["precisions"][name] = {
+            "kv_dtype": str(kv).removeprefix("torch."),
             "weight_bytes_per_step": step_weight_bytes(model),
-            "perplexity": perplexity(model, cfg, text),
+            "perplexity": perplexity(model, cfg, text, kv),
             **agreement(tokens, reference),
         }
         print(f"{name}: agreement {out['token_agreement']:.3f}, ppl {out['perplexity']:.3f} "
@@ -92,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
     itl, gbps = decode_itl(models, cfg, args.context, args.steps, args.read_gb)
     results["read_gbps"] = gbps
     for name, out in results["precisions"].items():
-        kv_dtype = next(models[name][0].parameters()).dtype  # the pool's (decode_itl)
-        kv_bytes = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.context, kv_dtype.itemsize)
+        kv_bytes = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.context, models[name][2].itemsize)
         out["itl_ms"] = itl[name]
         out["kv_bytes_per_step"] = kv_bytes
         out["bandwidth_limit_ms"] = out["weight_bytes_per_step"] / (gbps * 1e9) * 1e3
@@ -140,11 +149,11 @@ def fixed_text(path: Path, num_tokens: int) -> list[int]:
 # ---------------------------------------------------------------- accuracy
 
 
-def generate(model: LlamaModel, cfg, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-    """Greedy continuations of every prompt, all in one batch (prefill, then a step per token)."""
-    dtype = next(model.parameters()).dtype
+def generate(model: LlamaModel, cfg, prompts: list[list[int]], num_new: int, kv: torch.dtype) -> list[list[int]]:
+    """Greedy continuations of every prompt, all in one batch (prefill, then a step per token),
+    the KV in `kv`."""
     per = -(-(max(map(len, prompts)) + num_new) // BLOCK)
-    runner = ModelRunner(model, cfg, allocate_kv_pool(cfg, per * len(prompts), BLOCK, dtype, "cpu"), BLOCK, "cpu")
+    runner = ModelRunner(model, cfg, allocate_kv_pool(cfg, per * len(prompts), BLOCK, kv, "cpu"), BLOCK, "cpu")
     rids = [str(i) for i in range(len(prompts))]
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0)
     runner.add_requests([NewRequestData(r, list(p), params) for r, p in zip(rids, prompts)])
@@ -166,10 +175,9 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
 
 
 @torch.inference_mode()
-def perplexity(model: LlamaModel, cfg, ids: list[int]) -> float:
+def perplexity(model: LlamaModel, cfg, ids: list[int], kv: torch.dtype) -> float:
     n = len(ids)
-    dtype = next(model.parameters()).dtype
-    pool = allocate_kv_pool(cfg, -(-n // BLOCK), BLOCK, dtype, "cpu")
+    pool = allocate_kv_pool(cfg, -(-n // BLOCK), BLOCK, kv, "cpu")
     meta = build_metadata([0], [n], [list(range(-(-n // BLOCK)))], BLOCK, "cpu")
     logits = model(torch.tensor(ids), torch.arange(n), meta, pool, torch.arange(n - 1))  # [n - 1, V]
     return math.exp(F.cross_entropy(logits.float(), torch.tensor(ids[1:])).item())
@@ -198,9 +206,8 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> t
     precision and a read each round, so that the limit and the steps see the same machine."""
     blocks = -(-(context + steps + 1) // BLOCK)
     state = {}
-    for name, (model, _) in models.items():
-        dtype = next(model.parameters()).dtype
-        pool = allocate_kv_pool(cfg, blocks, BLOCK, dtype, "cpu")
+    for name, (model, _, kv) in models.items():
+        pool = allocate_kv_pool(cfg, blocks, BLOCK, kv, "cpu")
         ids = torch.randint(100, cfg.vocab_size - 100, (context,), generator=torch.Generator().manual_seed(0))
         meta = build_metadata([0], [context], [list(range(blocks))], BLOCK, "cpu")
         model(ids, torch.arange(context), meta, pool, torch.tensor([context - 1]))
@@ -225,13 +232,13 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> t
 def markdown(results: dict) -> str:
     lines = [
         f"memory read: {results['read_gbps']:.1f} GB/s, {results['threads']} threads",
-        "| precision | weights read per step (MB) | 1-stream ITL (ms) | bandwidth limit (ms) | ITL / limit "
+        "| precision | KV | weights read per step (MB) | 1-stream ITL (ms) | bandwidth limit (ms) | ITL / limit "
         "| limit with the KV (ms) | ITL / that | greedy agreement | identical prompts | perplexity |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in results["precisions"].items():
         lines.append(
-            f"| {name} | {r['weight_bytes_per_step'] / 1e6:.0f} | {r['itl_ms']:.2f} | {r['bandwidth_limit_ms']:.2f} | "
+            f"| {name.partition(':')[0]} | {r['kv_dtype']} | {r['weight_bytes_per_step'] / 1e6:.0f} | {r['itl_ms']:.2f} | {r['bandwidth_limit_ms']:.2f} | "
             f"{r['itl_over_limit']:.2f} | {r['limit_with_kv_ms']:.2f} | {r['itl_over_limit_with_kv']:.2f} | "
             f"{100 * r['token_agreement']:.1f}% | {100 * r['identical_prompts']:.0f}% | "
             f"{r['perplexity']:.3f} |"

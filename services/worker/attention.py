@@ -180,10 +180,11 @@ def _prefill_segment(
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store the step's new K/V in their slots.
 
-    kv_layer: [num_blocks, 2, block_size, KV, D] (a strided view of the pool); k, v: [T, KV, D]
+    kv_layer: [num_blocks, 2, block_size, KV, D] (a strided view of the pool); k, v: [T, KV, D],
+    rounded to the pool's dtype where it is narrower than the model's (a bfloat16 KV cache)
     """
-    kv_layer[:, 0].index_put_((meta.slot_blocks, meta.slot_offsets), k)
-    kv_layer[:, 1].index_put_((meta.slot_blocks, meta.slot_offsets), v)
+    kv_layer[:, 0].index_put_((meta.slot_blocks, meta.slot_offsets), k.to(kv_layer.dtype))
+    kv_layer[:, 1].index_put_((meta.slot_blocks, meta.slot_offsets), v.to(kv_layer.dtype))
 
 
 def paged_attention(
@@ -192,7 +193,8 @@ def paged_attention(
     """Attention of every query row over its request's context; K/V already written.
 
     q: [T, H, D]; k, v: [T, KV, D] (this step's fresh keys, used directly by a prefill that
-    starts at position 0); kv_layer: [num_blocks, 2, block_size, KV, D]. Returns [T, H, D].
+    starts at position 0, as the pool holds them); kv_layer: [num_blocks, 2, block_size, KV, D],
+    of q's dtype or a narrower one. Returns [T, H, D].
     """
     out = torch.empty_like(q)
     r = meta.num_decodes
@@ -220,7 +222,7 @@ def _decode_sdpa(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) ->
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv = kv_layer.shape[3]
-    k, v = gather_blocks(kv_layer, batch.block_ids)  # [R, S, KV, D] each
+    k, v = (t.to(q.dtype) for t in gather_blocks(kv_layer, batch.block_ids))  # [R, S, KV, D] each
     k[batch.pad_rows, batch.pad_keys] = 0.0  # whatever the pool held there, make it finite
     v[batch.pad_rows, batch.pad_keys] = 0.0
     qg = q.view(num_rows, num_kv, num_heads // num_kv, head_dim)  # [R, KV, G, D]
@@ -239,12 +241,14 @@ def _prefill_attention(
         return native.prefill_attention(q, kv_layer, seg.block_ids, seg.num_cached)
     qh = q.transpose(0, 1)[None]  # [1, H, n, D]
     if seg.num_cached == 0:
+        if kv_layer.dtype != k.dtype:  # what later steps will read: the keys rounded as stored
+            k, v = (t.to(kv_layer.dtype).to(k.dtype) for t in (k, v))
         kh = k.transpose(0, 1)[None]  # [1, KV, n, D]
         vh = v.transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
         total = seg.num_cached + seg.q_len
-        kc, vc = gather_blocks(kv_layer, seg.block_ids)  # [S, KV, D] each, S >= total
+        kc, vc = (t.to(q.dtype) for t in gather_blocks(kv_layer, seg.block_ids))  # [S, KV, D] each, S >= total
         kh = kc[:total].transpose(0, 1)[None]  # [1, KV, total, D]
         vh = vc[:total].transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seg.mask, enable_gqa=True)

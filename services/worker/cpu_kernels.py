@@ -10,7 +10,8 @@ runtime torch already loaded, with torch's thread count.
 
 Where no compiler is found or the build fails, `kernels()` returns None and the callers keep
 their torch path; `SUPERINFER_CPU_KERNELS=off` forces that path. Every kernel takes float32
-CPU tensors; `applies` says whether a tensor qualifies.
+CPU tensors (`applies` says whether a tensor qualifies), and the attention kernels read a KV pool
+of float32 or bfloat16 (`applies_kv`).
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ class CpuKernels:
         # max_heads, max_head_dim, panel, pf_keys, pf_rows, amx_n, amx_k, qblock
         for name, value in zip(LIMITS, limits):
             setattr(self, name, value)
-        self._attention = _bind(lib.paged_decode_attention_f32, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
-                                + [_i64] * 5 + [f, c_int])  # fmt: skip
+        self._attention = _bind(lib.paged_decode_attention_f32, [_ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _i64,
+                                _ptr, _ptr] + [_i64] * 5 + [f, c_int])  # fmt: skip
         # Absent where the compiler does not target AVX-512 (csrc: paged prefill attention).
         prefill = getattr(lib, "paged_prefill_attention_f32", None)
-        self._prefill = prefill and _bind(prefill, [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr]
+        self._prefill = prefill and _bind(prefill, [_ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _i64, _i64, _ptr]
                                           + [_i64] * 4 + [f, c_int])  # fmt: skip
         self._add_rms_norm = _bind(lib.add_rms_norm_f32, [_ptr, _ptr, _ptr, f, _ptr, _i64, _i64, c_int])
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
@@ -77,6 +78,11 @@ class CpuKernels:
     def applies(t: torch.Tensor) -> bool:
         return t.device.type == "cpu" and t.dtype == torch.float32
 
+    @staticmethod
+    def applies_kv(t: torch.Tensor) -> bool:
+        """A KV pool (or a view of one) the attention kernels read."""
+        return t.device.type == "cpu" and t.dtype in KV_DTYPES
+
     # ------------------------------------------------------------ attention
 
     def supports_decode(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
@@ -84,7 +90,7 @@ class CpuKernels:
         _, _, _, num_kv, head_dim = kv_layer.shape
         return (
             self.applies(q)
-            and self.applies(kv_layer)
+            and self.applies_kv(kv_layer)
             and q.stride(2) == 1
             and q.stride(1) == head_dim
             and kv_layer.stride()[2:] == (num_kv * head_dim, head_dim, 1)
@@ -103,7 +109,7 @@ class CpuKernels:
         out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype)
         self._attention(
             q.data_ptr(), q.stride(0),
-            kv_layer.data_ptr(), kv_layer.stride(0), kv_layer.stride(1),
+            kv_layer.data_ptr(), is_bf16(kv_layer), kv_layer.stride(0), kv_layer.stride(1),
             block_ids.data_ptr(), block_ids.shape[1], context_lens.data_ptr(), out.data_ptr(),
             num_rows, num_heads, num_kv, head_dim, block_size,
             head_dim**-0.5, _threads(),
@@ -132,7 +138,7 @@ class CpuKernels:
         out = torch.empty((q_len, num_heads, head_dim), dtype=q.dtype)
         self._prefill(
             q.data_ptr(), q.stride(0),
-            kv_layer.data_ptr(), kv_layer.stride(0), kv_layer.stride(1),
+            kv_layer.data_ptr(), is_bf16(kv_layer), kv_layer.stride(0), kv_layer.stride(1),
             block_ids.data_ptr(), num_cached, q_len, out.data_ptr(),
             num_heads, num_kv, head_dim, block_size,
             head_dim**-0.5, _threads(),
@@ -225,6 +231,14 @@ def _linear(
     if failed:
         raise MemoryError(f"no memory for the scratch of a [{num_rows}, {num_in}] matmul input")
     return y
+
+
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the pools the attention kernels read
+
+
+def is_bf16(kv: torch.Tensor) -> int:
+    """The kernels' flag for a KV pool's element type: 1 for bfloat16, 0 for float32."""
+    return int(kv.dtype == torch.bfloat16)
 
 
 def _bind(fn, argtypes: list, restype=None) -> Callable:

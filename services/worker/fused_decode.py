@@ -7,10 +7,10 @@ same order with the same arguments, so the residual stream and the pool come out
 the bit as layer by layer (tests/worker/test_fused_decode.py); the embedding before and the
 final norm and head after stay in model.py.
 
-It applies on the CPU with the native kernels built, float32 activations and KV, no tensor
-parallelism, a step whose rows are all decodes, and every matmul one the kernels run for that
-many rows (quantized, bf16, float32 panels or AMX tiles); elsewhere `run` returns False and the
-model runs layer by layer.
+It applies on the CPU with the native kernels built, float32 activations, a float32 or bfloat16
+KV pool, no tensor parallelism, a step whose rows are all decodes, and every matmul one the
+kernels run for that many rows (quantized, bf16, float32 panels or AMX tiles); elsewhere `run`
+returns False and the model runs layer by layer.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ def run(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv_p
         return 0
     cfg, batch = model.cfg, meta.decodes
     first = model.layers[0]
-    dims = (_i64 * 11)(
+    dims = (_i64 * 12)(
         num_rows, cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim, cfg.intermediate_size,
         kv_pool.shape[3], kv_pool.stride(1), kv_pool.stride(0), kv_pool.stride(2), batch.block_ids.shape[1],
+        cpu_kernels.is_bf16(kv_pool),
     )  # fmt: skip
     span_threads = torch.get_num_threads()
     chooser = model.__dict__.setdefault("_decode_threads", ThreadChoice())
@@ -107,7 +108,7 @@ def _qualifies(model, native, x, cos, sin, meta, kv_pool) -> bool:
     batch = meta.decodes
     if meta.prefills or meta.num_decodes != num_rows or batch is None or first.all_reduce is not None:
         return False
-    if not (native.applies(kv_pool) and kv_pool.dim() == 6 and x.is_contiguous()):
+    if not (native.applies_kv(kv_pool) and kv_pool.dim() == 6 and x.is_contiguous()):
         return False
     _, _, _, block_size, num_kv, head_dim = kv_pool.shape
     longs = (meta.slot_blocks, meta.slot_offsets, batch.block_ids, batch.context_lens)

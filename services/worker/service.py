@@ -190,7 +190,7 @@ def resolve_dtype(name: str, device: torch.device, path: Path | None = None) -> 
     decode's float differences into near-tie flips), which the float types keep identical. A
     quantization's name (q8_0, q4_0, q4_1) quantizes the matrices at load, all else float32.
     bfloat16 on a CPU with AVX512-BF16 is "bf16": the matrices in bfloat16 (vdpbf16ps),
-    activations and KV float32; elsewhere the whole model and KV in bfloat16."""
+    activations float32; elsewhere the whole model in bfloat16. The KV: resolve_kv_dtype."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name == "gguf":
@@ -200,6 +200,15 @@ def resolve_dtype(name: str, device: torch.device, path: Path | None = None) -> 
     if name == "bfloat16" and device.type == "cpu" and cpu_quant.bf16_fast():
         return "bf16"
     return DTYPES.get(name, name)
+
+
+def resolve_kv_dtype(name: str, weights: torch.dtype | str) -> torch.dtype:
+    """`--kv-cache-dtype` for weights of `weights` (resolve_dtype's answer): auto follows them, as
+    vLLM's does, with the packed ones ("bf16", the quantizations) at bfloat16 as llama.cpp keeps a
+    quantized model's KV at 16 bits."""
+    if name != "auto":
+        return DTYPES[name]
+    return torch.bfloat16 if isinstance(weights, str) else weights
 
 
 def max_model_len(cfg: ModelConfig, asked: int | None) -> int:
@@ -218,8 +227,9 @@ def build_worker(
     """Model, both KV pools, transfer engine and runner of one rank (the only one without
     `group`). Pool sizes are agreed over the group, so a block id means the same everywhere."""
     path = resolve_model_path(args.model)
-    model, cfg = weights_cache.load_model(path, device, resolve_dtype(args.dtype, device, path), group=group)
-    spec = KVSpec.from_model(cfg, args.block_size, dtype=next(model.parameters()).dtype)
+    weights = resolve_dtype(args.dtype, device, path)
+    model, cfg = weights_cache.load_model(path, device, weights, group=group)
+    spec = KVSpec.from_model(cfg, args.block_size, dtype=resolve_kv_dtype(args.kv_cache_dtype, weights))
     num_ranks = 1 if group is None else group.num_ranks
     # Ranks on one host share its RAM: size host pools by the whole KV (all ranks' heads).
     whole = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads * num_ranks)

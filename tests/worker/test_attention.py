@@ -33,12 +33,14 @@ def native_path(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mixed_step_matches_dense(seed, native_path):
+def test_mixed_step_matches_dense(seed, kv_dtype, native_path):
     """Decodes with ragged contexts, a fresh prefill and a chunk after cached tokens, in one
-    step, over a pool full of NaN: only written slots may ever be read."""
+    step, over a pool full of NaN: only written slots may ever be read. A bfloat16 pool: every
+    query, a fresh prefill's too, sees the keys and values rounded as the pool holds them."""
     gen = torch.Generator().manual_seed(seed)
-    pool = torch.full((NUM_BLOCKS, NUM_LAYERS, 2, BLOCK, KV, D), float("nan"))
+    pool = torch.full((NUM_BLOCKS, NUM_LAYERS, 2, BLOCK, KV, D), float("nan"), dtype=kv_dtype)
     layer = pool[:, 1]
     cached = [0, 4, 16, 9, 0, 13]  # tokens already in the cache
     new = [1, 1, 1, 1, 6, 11]  # the first four are decodes
@@ -47,14 +49,16 @@ def test_mixed_step_matches_dense(seed, native_path):
     tables = [[free.pop() for _ in range(-(-(c + n) // BLOCK))] for c, n in zip(cached, new)]
     history_k = [torch.randn(c + n, KV, D, generator=gen) for c, n in zip(cached, new)]
     history_v = [torch.randn(c + n, KV, D, generator=gen) for c, n in zip(cached, new)]
+    stored_k = [k.to(kv_dtype).float() for k in history_k]  # what the pool returns
+    stored_v = [v.to(kv_dtype).float() for v in history_v]
     # Earlier steps wrote the cached part.
     blocks, offsets = slot_mapping([0] * len(cached), cached, tables, BLOCK)
     layer[torch.tensor(blocks, dtype=torch.long), 0, torch.tensor(offsets, dtype=torch.long)] = torch.cat(
         [k[:c] for k, c in zip(history_k, cached)]
-    )
+    ).to(kv_dtype)
     layer[torch.tensor(blocks, dtype=torch.long), 1, torch.tensor(offsets, dtype=torch.long)] = torch.cat(
         [v[:c] for v, c in zip(history_v, cached)]
-    )
+    ).to(kv_dtype)
 
     meta = build_metadata(cached, new, tables, BLOCK, "cpu")
     k_new = torch.cat([k[c:] for k, c in zip(history_k, cached)])  # [T, KV, D]
@@ -66,7 +70,7 @@ def test_mixed_step_matches_dense(seed, native_path):
     assert meta.num_decodes == 4 and len(meta.prefills) == 2
     assert not torch.isnan(out).any()
     row = 0
-    for k, v, c, n in zip(history_k, history_v, cached, new):
+    for k, v, c, n in zip(stored_k, stored_v, cached, new):
         want = dense_attention(q[row : row + n], k, v, c)
         torch.testing.assert_close(out[row : row + n], want, atol=1e-5, rtol=1e-5)
         row += n
@@ -157,3 +161,32 @@ def test_cpu_prefill_kernel_matches_sdpa_path(block_size, num_kv, group, head_di
         mp.setattr(cpu_kernels, "kernels", lambda: None)
         want = attention._prefill_attention(q, k, v, layer, seg)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # the two unrolled sizes, and the generic loop
+def test_cpu_kernels_read_a_bfloat16_pool_exactly(head_dim):
+    """Over a bfloat16 pool the kernels give, to the bit, what they give over the same values in
+    a float32 pool: widening is exact, and nothing else about the arithmetic changes (the generic
+    loop of other head sizes: to float32's rounding, as the compiler may vectorise its sums
+    differently for the two element types)."""
+    native = cpu_kernels.kernels()
+    gen = torch.Generator().manual_seed(head_dim)
+    block_size, num_kv, group, context = 16, 2, 4, [1, 16, 45, 300]
+    num_heads = num_kv * group
+    pool = torch.randn(64, 2, 2, block_size, num_kv, head_dim, generator=gen).to(torch.bfloat16)
+    wide = pool.float()
+    tables = [torch.randperm(64, generator=gen)[: -(-(c + 1) // block_size)].tolist() for c in context]
+    meta = build_metadata(context, [1] * len(context), tables, block_size, "cpu")
+    q = torch.randn(len(context), num_heads, head_dim, generator=gen)
+    args = (meta.decodes.block_ids, meta.decodes.context_lens)
+    assert native.supports_decode(q, pool[:, 1])
+    got, want = native.decode_attention(q, pool[:, 1], *args), native.decode_attention(q, wide[:, 1], *args)
+    if head_dim in (64, 128):
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    if head_dim % native.pf_keys == 0:
+        q = torch.randn(70, num_heads, head_dim, generator=gen)
+        (seg,) = build_metadata([37], [70], [tables[-1][:7]], block_size, "cpu").prefills
+        assert native.supports_prefill(q, pool[:, 0])
+        got = native.prefill_attention(q, pool[:, 0], seg.block_ids, 37)
+        assert torch.equal(got, native.prefill_attention(q, wide[:, 0], seg.block_ids, 37))

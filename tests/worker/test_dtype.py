@@ -77,21 +77,24 @@ def test_bfloat16_on_cpu_is_close_to_float32(model, bf16_model, cfg, chat_prompt
     assert same >= 12, tokens  # 16 of 16 measured; bf16 rounding may flip a late near-tie
 
 
-def test_worker_in_bfloat16_reports_its_kv_block_bytes(model_path, cfg):
+@pytest.mark.parametrize("kv_flag, kv_dtype", [("auto", torch.bfloat16), ("float32", torch.float32)])
+def test_worker_in_bfloat16_reports_its_kv_block_bytes(model_path, cfg, kv_flag, kv_dtype):
+    """--dtype bfloat16 keeps its KV in bfloat16 unless --kv-cache-dtype says otherwise; the block
+    bytes the scheduler sizes its pools by follow the KV's element size."""
     parser = argparse.ArgumentParser()
     worker_args(parser)
-    args = parser.parse_args(["--device", "cpu", "--dtype", "bfloat16", "--hbm-blocks", "8", "--dram-gb", "0.01"])
+    args = parser.parse_args(
+        ["--device", "cpu", "--dtype", "bfloat16", "--kv-cache-dtype", kv_flag, "--hbm-blocks", "8", "--dram-gb", "0.01"]
+    )
     args.model, args.worker_id = str(model_path), "w"
     runner, engine, ready = build_worker(args, torch.device("cpu"))
     try:
-        if cpu_quant.bf16_fast():  # bfloat16 matrices on vdpbf16ps; activations and KV float32
+        if cpu_quant.bf16_fast():  # bfloat16 matrices on vdpbf16ps; activations float32
             assert runner.model.layers[0].qkv.quant.kind == runner.model.lm_head.quant.kind == "bf16"
-            kv_dtype, kv_bytes = torch.float32, 4
         else:
             assert next(runner.model.parameters()).dtype == torch.bfloat16
-            kv_dtype, kv_bytes = torch.bfloat16, 2
         assert runner.kv_pool.dtype == engine.pools.dram.dtype == kv_dtype
-        want = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, kv_bytes)
+        want = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK_SIZE, kv_dtype.itemsize)
         assert ready.block_bytes == engine.pools.spec.block_bytes == want
         assert ready.num_dram_blocks == int(0.01 * (1 << 30)) // want
     finally:

@@ -26,14 +26,17 @@ def gguf_model(model_path, cfg):
     return model
 
 
-def _steps(model, cfg, contexts: list[int], num_steps: int, fused: bool, run_threads: int | None = None):
+def _steps(
+    model, cfg, contexts: list[int], num_steps: int, fused: bool, run_threads: int | None = None, kv=torch.float32
+):
     """Prefill each request alone, then `num_steps` decode steps of all of them together, over
-    scattered block tables. Returns (logits of every decode step [steps, R, V], the pool)."""
+    scattered block tables, the pool of dtype `kv`. Returns (logits of every decode step
+    [steps, R, V], the pool)."""
     num_blocks = sum(blocks_for(c + num_steps) for c in contexts)
     free = list(range(num_blocks))
     random.Random(len(contexts)).shuffle(free)
     tables = [[free.pop() for _ in range(blocks_for(c + num_steps))] for c in contexts]
-    pool = allocate_kv_pool(cfg, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    pool = allocate_kv_pool(cfg, num_blocks, BLOCK_SIZE, kv, "cpu")
     gen = torch.Generator().manual_seed(0)
     logits = []
     model.fused_decode = fused
@@ -55,19 +58,21 @@ def _steps(model, cfg, contexts: list[int], num_steps: int, fused: bool, run_thr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["gguf", "float32"])
+@pytest.mark.parametrize("which", ["gguf", "float32", "gguf, bfloat16 KV"])
 @pytest.mark.parametrize(
     "contexts, threads", [([37], 1), ([5, 130, 9], 2), ([3 + 2 * i for i in range(17)], 1)], ids=["1", "3", "17"]
 )
 def test_fused_decode_is_bit_identical(which, contexts, threads, gguf_model, model, cfg):
     """17 rows: float32's matmuls take the AMX tiles where the CPU has them, panels below 16.
-    Two threads split the matmuls' panels and the attention's spans as layer by layer does."""
-    m = gguf_model if which == "gguf" else model
+    Two threads split the matmuls' panels and the attention's spans as layer by layer does. A
+    bfloat16 pool: the fused step rounds its K/V into it as torch's write does."""
+    m = model if which == "float32" else gguf_model
+    kv = torch.bfloat16 if "bfloat16" in which else torch.float32
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused_logits, fused_pool = _steps(m, cfg, contexts, 3, fused=True)
-        ref_logits, ref_pool = _steps(m, cfg, contexts, 3, fused=False)
+        fused_logits, fused_pool = _steps(m, cfg, contexts, 3, fused=True, kv=kv)
+        ref_logits, ref_pool = _steps(m, cfg, contexts, 3, fused=False, kv=kv)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(fused_logits, ref_logits)

@@ -129,9 +129,10 @@ def test_kv_block_sizing(cfg, model):
     wrong = allocate_kv_pool(cfg, 4, 8, torch.float32, "cpu")
     with pytest.raises(ValueError, match="kv_pool blocks"):
         ModelRunner(model, cfg, wrong, BLOCK_SIZE, "cpu")
-    wrong = allocate_kv_pool(cfg, 4, BLOCK_SIZE, torch.bfloat16, "cpu")
-    with pytest.raises(ValueError, match="kv_pool is"):
-        ModelRunner(model, cfg, wrong, BLOCK_SIZE, "cpu")
+    ModelRunner(model, cfg, allocate_kv_pool(cfg, 4, BLOCK_SIZE, torch.bfloat16, "cpu"), BLOCK_SIZE, "cpu")
+    for wrong in (torch.int16, torch.float64):  # not a float; wider than the model computes
+        with pytest.raises(ValueError, match="kv_pool is"):
+            ModelRunner(model, cfg, allocate_kv_pool(cfg, 4, BLOCK_SIZE, wrong, "cpu"), BLOCK_SIZE, "cpu")
 
 
 def _decodes(runner: ModelRunner, rids: list[str]) -> list[ScheduledRequest]:

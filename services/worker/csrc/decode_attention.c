@@ -13,17 +13,19 @@
  *
  * Layout (services/worker/attention.py has the diagram): a layer's view of the pool is
  *   kv[block * block_stride + side * side_stride + slot * KV * D + kv_head * D + d]
- * with side 0 = K, 1 = V.
+ * with side 0 = K, 1 = V; the pool holds float32 or bfloat16 (kernels.h), the queries and the
+ * output are float32.
  */
 #include "kernels.h"
 
 #define SPAN_MIN_KEYS 64   /* keys per work item at least: smaller spans cost more to merge than they gain */
 #define SPANS_PER_THREAD 4 /* enough items that uneven contexts still balance */
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+/* a . the n pool elements from element i. */
+static inline float dot(const float *restrict a, const void *kv, int64_t i, int64_t n, const int bf) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    for (int64_t j = 0; j < n; j++) s += a[j] * kv_at(kv, i + j, bf);
     return s;
 }
 
@@ -32,9 +34,9 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
  * Loops run head by head over a chunk of keys so that a head's query and accumulator stay in
  * registers while the chunk's keys and values (a few KB) come from L1. */
 static inline __attribute__((always_inline)) void attend_span(
-    const float *restrict q, const float *kv, int64_t block_stride, int64_t side_stride, const int64_t *table,
+    const float *restrict q, const void *kv, int64_t block_stride, int64_t side_stride, const int64_t *table,
     int64_t start, int64_t end, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
-    int64_t block_size, float scale, float *restrict acc, float *restrict mx, float *restrict sm) {
+    int64_t block_size, float scale, float *restrict acc, float *restrict mx, float *restrict sm, const int bf) {
     const int64_t group = num_heads / num_kv_heads, slot = num_kv_heads * head_dim;
     float s[CHUNK];
     for (int64_t h = 0; h < num_heads; h++) {
@@ -44,14 +46,13 @@ static inline __attribute__((always_inline)) void attend_span(
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int64_t pos = start; pos < end;) {
         int64_t n;
-        const float *kb = chunk_at(kv, block_stride, table, pos, end, block_size, slot, &n);
-        const float *vb = kb + side_stride;
+        const int64_t kb = chunk_at(block_stride, table, pos, end, block_size, slot, &n), vb = kb + side_stride;
         if (pos + n < end) { /* the next chunk's block lies elsewhere: start bringing it into L2 */
             int64_t next_n;
-            const float *nk = chunk_at(kv, block_stride, table, pos + n, end, block_size, slot, &next_n);
-            for (int64_t i = 0; i < next_n * slot; i += 64 / sizeof(float)) {
-                __builtin_prefetch(nk + i, 0, 2);
-                __builtin_prefetch(nk + side_stride + i, 0, 2);
+            const int64_t nk = chunk_at(block_stride, table, pos + n, end, block_size, slot, &next_n);
+            for (int64_t i = 0; i < next_n * slot; i += bf ? 32 : 16) { /* a 64-byte line */
+                __builtin_prefetch(kv_addr(kv, nk + i, bf), 0, 2);
+                __builtin_prefetch(kv_addr(kv, nk + side_stride + i, bf), 0, 2);
             }
         }
         for (int64_t h = 0; h < num_heads; h++) {
@@ -59,7 +60,7 @@ static inline __attribute__((always_inline)) void attend_span(
             const float *qh = q + h * head_dim;
             float m = mx[h];
             for (int64_t t = 0; t < n; t++) {
-                s[t] = scale * dot(qh, kb + t * slot + off, head_dim);
+                s[t] = scale * dot(qh, kv, kb + t * slot + off, head_dim, bf);
                 m = s[t] > m ? s[t] : m;
             }
             float sum = 0.0f;
@@ -76,9 +77,10 @@ static inline __attribute__((always_inline)) void attend_span(
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) a[d] = ah[d] * correction;
             for (int64_t t = 0; t < n; t++) {
-                const float p = s[t], *v = vb + t * slot + off;
+                const float p = s[t];
+                const int64_t v = vb + t * slot + off;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) a[d] += p * v[d];
+                for (int64_t d = 0; d < head_dim; d++) a[d] += p * kv_at(kv, v + d, bf);
             }
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) ah[d] = a[d];
@@ -100,9 +102,9 @@ static inline __attribute__((always_inline)) void attend_span(
  * 30 layers: 43.7 ms with the loop above, 40.3 in registers, 35.8 with the spread prefetch;
  * with the keys in cache 16.2, 10.0 and 12.1 ms). */
 static inline __attribute__((always_inline)) void attend_span_avx512(
-    const float *restrict q, const float *kv, int64_t block_stride, int64_t side_stride, const int64_t *table,
+    const float *restrict q, const void *kv, int64_t block_stride, int64_t side_stride, const int64_t *table,
     int64_t start, int64_t end, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale,
-    float *restrict acc, float *restrict mx, float *restrict sm, const int V) {
+    float *restrict acc, float *restrict mx, float *restrict sm, const int V, const int bf) {
     const int64_t D = 16 * V, group = num_heads / num_kv_heads, slot = num_kv_heads * D;
     const int per_pass = PASS_REGS / V;
     const int64_t num_passes = num_kv_heads * ((group + per_pass - 1) / per_pass);
@@ -114,23 +116,23 @@ static inline __attribute__((always_inline)) void attend_span_avx512(
     float s[PASS_REGS / 4][CHUNK] __attribute__((aligned(64)));
     for (int64_t pos = start; pos < end;) {
         int64_t n;
-        const float *kb = chunk_at(kv, block_stride, table, pos, end, block_size, slot, &n);
-        const float *vb = kb + side_stride;
+        const int64_t kb = chunk_at(block_stride, table, pos, end, block_size, slot, &n), vb = kb + side_stride;
         /* The next chunk: its K lines then its V lines, pf_step of them per key visited. */
-        const float *nk = kb;
+        const char *nk = kv_addr(kv, kb, bf), *nv = nk;
         int64_t pf_lines = 0, pf_i = 0;
         if (pos + n < end) {
             int64_t next_n;
-            nk = chunk_at(kv, block_stride, table, pos + n, end, block_size, slot, &next_n);
-            pf_lines = next_n * slot / 16;
+            const int64_t next = chunk_at(block_stride, table, pos + n, end, block_size, slot, &next_n);
+            nk = kv_addr(kv, next, bf);
+            nv = kv_addr(kv, next + side_stride, bf);
+            pf_lines = next_n * slot / (bf ? 32 : 16);
         }
         const int64_t pf_step = (2 * pf_lines + 2 * n * num_passes - 1) / (2 * n * num_passes);
 #define PREFETCH_SOME()                                                                   \
     for (int64_t i = 0; i < pf_step && pf_i < 2 * pf_lines; i++, pf_i++)                 \
-        _mm_prefetch((const char *)(pf_i < pf_lines ? nk + pf_i * 16 : nk + side_stride + (pf_i - pf_lines) * 16), \
-                     _MM_HINT_T1);
+        _mm_prefetch(pf_i < pf_lines ? nk + 64 * pf_i : nv + 64 * (pf_i - pf_lines), _MM_HINT_T1);
         for (int64_t g = 0; g < num_kv_heads; g++) {
-            const float *kg = kb + g * D, *vg = vb + g * D;
+            const int64_t kg = kb + g * D, vg = vb + g * D;
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {
                 const int nh = (g + 1) * group - h0 < per_pass ? (int)((g + 1) * group - h0) : per_pass;
                 __m512 qv[PASS_REGS / 4][8], a[PASS_REGS / 4][8], x[8];
@@ -138,7 +140,7 @@ static inline __attribute__((always_inline)) void attend_span_avx512(
                     for (int d = 0; d < V; d++) qv[j][d] = _mm512_loadu_ps(q + (h0 + j) * D + 16 * d);
                 for (int64_t t = 0; t < n; t++) { /* scores */
                     PREFETCH_SOME();
-                    for (int d = 0; d < V; d++) x[d] = _mm512_loadu_ps(kg + t * slot + 16 * d);
+                    for (int d = 0; d < V; d++) x[d] = kv_load16(kv, kg + t * slot + 16 * d, bf);
                     for (int j = 0; j < nh; j++) {
                         __m512 p = _mm512_mul_ps(qv[j][0], x[0]);
                         for (int d = 1; d < V; d++) p = _mm512_fmadd_ps(qv[j][d], x[d], p);
@@ -164,7 +166,7 @@ static inline __attribute__((always_inline)) void attend_span_avx512(
                 }
                 for (int64_t t = 0; t < n; t++) { /* values */
                     PREFETCH_SOME();
-                    for (int d = 0; d < V; d++) x[d] = _mm512_loadu_ps(vg + t * slot + 16 * d);
+                    for (int d = 0; d < V; d++) x[d] = kv_load16(kv, vg + t * slot + 16 * d, bf);
                     for (int j = 0; j < nh; j++) {
                         const __m512 p = _mm512_set1_ps(s[j][t]);
                         for (int d = 0; d < V; d++) a[j][d] = _mm512_fmadd_ps(p, x[d], a[j][d]);
@@ -180,31 +182,55 @@ static inline __attribute__((always_inline)) void attend_span_avx512(
 }
 #endif
 
-void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
-                                  int64_t side_stride, const int64_t *block_ids, int64_t max_blocks,
-                                  const int64_t *ctx_lens, float *out, int64_t num_rows, int64_t num_heads,
-                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                                  int span_threads, int num_threads);
+/* One work item: attend_span with the head size a compile-time constant where it is a common one,
+ * and the pool's element type (bf) always. */
+static inline __attribute__((always_inline)) void attend_item(
+    const float *restrict q, const void *kv, int64_t block_stride, int64_t side_stride, const int64_t *table,
+    int64_t start, int64_t end, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, float *restrict acc, float *restrict mx, float *restrict sm, const int bf) {
+#ifdef __AVX512F__
+    if (head_dim == 64)
+        attend_span_avx512(q, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads,
+                           block_size, scale, acc, mx, sm, 4, bf);
+    else if (head_dim == 128)
+        attend_span_avx512(q, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads,
+                           block_size, scale, acc, mx, sm, 8, bf);
+    else
+#endif
+    if (head_dim == 64)
+        attend_span(q, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, 64, block_size,
+                    scale, acc, mx, sm, bf);
+    else
+        attend_span(q, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, head_dim,
+                    block_size, scale, acc, mx, sm, bf);
+}
+
+void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
+                                  int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
+                                  int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  float scale, int span_threads, int num_threads);
 
 /* q: [R, H, D] rows `q_row_stride` floats apart (heads contiguous); out: [R, H, D] contiguous.
+ * kv: the layer's view of a float32 pool, or of a bfloat16 one where kv_bf16 (strides in elements).
  * block_ids: [R, max_blocks]; ctx_lens: [R] keys per request (the new token's included, >= 1). */
-void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
-                                int64_t side_stride, const int64_t *block_ids, int64_t max_blocks,
-                                const int64_t *ctx_lens, float *out, int64_t num_rows, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                                int num_threads) {
-    paged_decode_attention_spans(q, q_row_stride, kv, block_stride, side_stride, block_ids, max_blocks, ctx_lens, out,
-                                 num_rows, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads,
-                                 num_threads);
+void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
+                                int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
+                                int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                float scale, int num_threads) {
+    paged_decode_attention_spans(q, q_row_stride, kv, kv_bf16, block_stride, side_stride, block_ids, max_blocks,
+                                 ctx_lens, out, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
+                                 num_threads, num_threads);
 }
 
 /* The same, its spans cut for `span_threads` threads and run on `num_threads`: the result depends
  * on the first only, so a caller may run it on fewer threads than it was cut for. */
-void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
-                                  int64_t side_stride, const int64_t *block_ids, int64_t max_blocks,
-                                  const int64_t *ctx_lens, float *out, int64_t num_rows, int64_t num_heads,
-                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                                  int span_threads, int num_threads) {
+void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
+                                  int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
+                                  int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  float scale, int span_threads, int num_threads) {
     /* Span length: whole blocks, about SPANS_PER_THREAD items per thread over the batch. */
     int64_t total = 0;
     for (int64_t r = 0; r < num_rows; r++) total += ctx_lens[r];
@@ -232,21 +258,12 @@ void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const fl
             float *acc = part + i * part_size, *mx = acc + num_heads * head_dim, *sm = mx + num_heads;
             const float *qr = q + r * q_row_stride;
             const int64_t *table = block_ids + r * max_blocks;
-#ifdef __AVX512F__
-            if (head_dim == 64) /* the common sizes, unrolled at compile time */
-                attend_span_avx512(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads,
-                                   block_size, scale, acc, mx, sm, 4);
-            else if (head_dim == 128)
-                attend_span_avx512(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads,
-                                   block_size, scale, acc, mx, sm, 8);
+            if (kv_bf16)
+                attend_item(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, head_dim,
+                            block_size, scale, acc, mx, sm, 1);
             else
-#endif
-            if (head_dim == 64)
-                attend_span(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, 64,
-                            block_size, scale, acc, mx, sm);
-            else
-                attend_span(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, head_dim,
-                            block_size, scale, acc, mx, sm);
+                attend_item(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, head_dim,
+                            block_size, scale, acc, mx, sm, 0);
         }
 #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < num_rows; r++) {

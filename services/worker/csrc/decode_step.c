@@ -23,11 +23,11 @@ void add_rms_norm_f32(float *x, const float *delta, const float *w, float eps, f
 void rope_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t num_rows, int64_t num_heads,
               int64_t head_dim, int num_threads);
 void silu_and_mul_f32(const float *gate_up, float *out, int64_t num_rows, int64_t n, int num_threads);
-void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
-                                  int64_t side_stride, const int64_t *block_ids, int64_t max_blocks,
-                                  const int64_t *ctx_lens, float *out, int64_t num_rows, int64_t num_heads,
-                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                                  int span_threads, int num_threads);
+void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
+                                  int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
+                                  int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  float scale, int span_threads, int num_threads);
 
 typedef int (*linear_status_fn)(const float *, int64_t, const void *, const float *, float *, int64_t, int64_t,
                                 int64_t, int64_t, int);
@@ -38,8 +38,19 @@ typedef void (*linear_void_fn)(const float *, int64_t, const void *, const float
  * kernel's address, 1 where the kernel returns a status (else void), the packed weight, the bias
  * (0: none). */
 #define LAYER_WORDS 18
-/* dims: T, hidden, H, KV, D, I, block_size, layer_stride, block_stride, side_stride, max_blocks */
-#define NUM_DIMS 11
+/* dims: T, hidden, H, KV, D, I, block_size, layer_stride, block_stride, side_stride, max_blocks,
+ * kv_bf16 (the pool's strides in elements; 1 where they are bfloat16, else float32) */
+#define NUM_DIMS 12
+
+/* n floats into the pool at element i, as they are or rounded to bfloat16 (as torch rounds). */
+static void store_kv(void *kv, int64_t i, const float *x, int64_t n, int bf) {
+    if (!bf) {
+        memcpy((float *)kv + i, x, sizeof(float) * n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)kv + i;
+    for (int64_t j = 0; j < n; j++) dst[j] = float_to_bf16(x[j]);
+}
 
 static int matmul(const int64_t *lin, const float *x, float *y, int64_t M, int64_t N, int64_t K, int threads) {
     if (lin[1]) return ((linear_status_fn)lin[0])(x, K, (const void *)lin[2], (const float *)lin[3], y, N, M, N, K, threads);
@@ -48,35 +59,36 @@ static int matmul(const int64_t *lin, const float *x, float *y, int64_t M, int64
 }
 
 /* x: [T, n] the residual stream (updated in place); cos, sin: [T, D / 2]; kv: the pool,
- * [blocks, layers, 2, block_size, KV, D] with the strides in dims; slot_blocks, slot_offsets: [T];
+ * [blocks, layers, 2, block_size, KV, D] with the strides and element type in dims; slot_blocks, slot_offsets: [T];
  * block_ids: [T, max_blocks]; ctx_lens: [T]. Runs on `threads` threads; the attention's spans are
  * cut for `span_threads` (the layer-by-layer path's count), and nothing else depends on the count,
  * so the result is the same on any number of threads. Returns 0, or -1 without memory for the scratch or
  * a matmul's own (the pool may then hold some of this step's K/V: a re-run writes them again). */
 int decode_layers_f32(const int64_t *layers, int64_t num_layers, const int64_t *dims, float *x, const float *cos,
-                      const float *sin, float *kv, const int64_t *slot_blocks, const int64_t *slot_offsets,
+                      const float *sin, void *kv, const int64_t *slot_blocks, const int64_t *slot_offsets,
                       const int64_t *block_ids, const int64_t *ctx_lens, float eps, float scale, int span_threads,
                       int threads) {
     const int64_t T = dims[0], n = dims[1], H = dims[2], KV = dims[3], D = dims[4], I = dims[5];
     const int64_t block_size = dims[6], layer_stride = dims[7], block_stride = dims[8], side_stride = dims[9];
     const int64_t max_blocks = dims[10], nqkv = (H + 2 * KV) * D;
+    const int bf = (int)dims[11];
     float *h = malloc(sizeof(float) * T * (n + nqkv + H * D + n + 2 * I + I));
     if (!h) return -1;
     float *qkv = h + T * n, *attn = qkv + T * nqkv, *out = attn + T * H * D, *gu = out + T * n, *act = gu + T * 2 * I;
     int failed = 0;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const int64_t *w = layers + l * LAYER_WORDS;
-        float *kv_layer = kv + l * layer_stride;
+        char *kv_layer = (char *)kv + l * layer_stride * (bf ? 2 : 4);
         add_rms_norm_f32(x, l ? out : 0, (const float *)w[0], eps, h, T, n, threads);
         failed |= matmul(w + 2, h, qkv, T, nqkv, n, threads);
         rope_f32(qkv, nqkv, cos, sin, T, H + KV, D, threads);
         for (int64_t t = 0; t < T; t++) {
-            float *slot = kv_layer + slot_blocks[t] * block_stride + slot_offsets[t] * KV * D;
-            memcpy(slot, qkv + t * nqkv + H * D, sizeof(float) * KV * D);
-            memcpy(slot + side_stride, qkv + t * nqkv + (H + KV) * D, sizeof(float) * KV * D);
+            const int64_t slot = slot_blocks[t] * block_stride + slot_offsets[t] * KV * D;
+            store_kv(kv_layer, slot, qkv + t * nqkv + H * D, KV * D, bf);
+            store_kv(kv_layer, slot + side_stride, qkv + t * nqkv + (H + KV) * D, KV * D, bf);
         }
-        paged_decode_attention_spans(qkv, nqkv, kv_layer, block_stride, side_stride, block_ids, max_blocks, ctx_lens,
-                                     attn, T, H, KV, D, block_size, scale, span_threads, threads);
+        paged_decode_attention_spans(qkv, nqkv, kv_layer, bf, block_stride, side_stride, block_ids, max_blocks,
+                                     ctx_lens, attn, T, H, KV, D, block_size, scale, span_threads, threads);
         failed |= matmul(w + 6, attn, out, T, n, H * D, threads);
         add_rms_norm_f32(x, out, (const float *)w[1], eps, h, T, n, threads);
         failed |= matmul(w + 10, h, gu, T, 2 * I, n, threads);

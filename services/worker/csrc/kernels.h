@@ -41,14 +41,41 @@ static inline float exp_nonpositive(float x) {
 }
 
 /* The chunk of keys at `pos` (at most CHUNK, within its block and before `end`): its first key's
- * address in the layer's view of the pool, and in *n how many keys it holds. */
-static inline const float *chunk_at(const float *kv, int64_t block_stride, const int64_t *table, int64_t pos,
-                                    int64_t end, int64_t block_size, int64_t slot, int64_t *n) {
+ * offset, in elements, in the layer's view of the pool, and in *n how many keys it holds. */
+static inline int64_t chunk_at(int64_t block_stride, const int64_t *table, int64_t pos, int64_t end,
+                               int64_t block_size, int64_t slot, int64_t *n) {
     const int64_t in_block = pos % block_size;
     int64_t k = block_size - in_block;
     k = k < CHUNK ? k : CHUNK;
     *n = k < end - pos ? k : end - pos;
-    return kv + table[pos / block_size] * block_stride + in_block * slot;
+    return table[pos / block_size] * block_stride + in_block * slot;
+}
+
+/* The KV pool holds float32 or bfloat16 (the top half of a float32: widening is a shift, and
+ * narrowing rounds to nearest even as torch does, NaN to torch's quiet NaN). The attention
+ * kernels read either, a compile-time `bf` choosing; only the pool's element size differs. */
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Element i of a pool of float32 (bf = 0) or bfloat16 (bf = 1). */
+static inline float kv_at(const void *kv, int64_t i, const int bf) {
+    return bf ? bf16_to_float(((const uint16_t *)kv)[i]) : ((const float *)kv)[i];
+}
+
+/* The address of element i. */
+static inline const char *kv_addr(const void *kv, int64_t i, const int bf) {
+    return (const char *)kv + i * (bf ? 2 : 4);
 }
 
 #ifdef __AVX512F__
@@ -70,6 +97,14 @@ static inline __m512 exp16_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* 16 consecutive elements of a float32 or bfloat16 pool from element i, as float32. */
+static inline __m512 kv_load16(const void *kv, int64_t i, const int bf) {
+    if (bf)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kv + i))), 16));
+    return _mm512_loadu_ps((const float *)kv + i);
 }
 #endif
 

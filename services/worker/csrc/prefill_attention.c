@@ -14,10 +14,11 @@
  * "Benchmarks"). */
 #ifdef __AVX512F__
 
-/* S^T[t][rows] = scale * K[t] . Q^T for T keys (T a compile-time constant). */
-static inline __attribute__((always_inline)) void pf_scores(const float *restrict kt, int64_t slot,
+/* S^T[t][rows] = scale * K[t] . Q^T for T keys (T a compile-time constant), K[0] at element kt of
+ * the pool (float32, or bfloat16 where bf). */
+static inline __attribute__((always_inline)) void pf_scores(const void *kv, int64_t kt, int64_t slot,
                                                            const float *restrict qt, int64_t D, float scale,
-                                                           float *restrict st, const int T) {
+                                                           float *restrict st, const int T, const int bf) {
     __m512 acc[PF_KEYS][PF_X];
     for (int t = 0; t < T; t++)
         for (int x = 0; x < PF_X; x++) acc[t][x] = _mm512_setzero_ps();
@@ -25,7 +26,7 @@ static inline __attribute__((always_inline)) void pf_scores(const float *restric
         __m512 qv[PF_X];
         for (int x = 0; x < PF_X; x++) qv[x] = _mm512_load_ps(qt + d * PF_ROWS + 16 * x);
         for (int t = 0; t < T; t++) {
-            const __m512 k = _mm512_set1_ps(kt[t * slot + d]);
+            const __m512 k = _mm512_set1_ps(kv_at(kv, kt + t * slot + d, bf));
             for (int x = 0; x < PF_X; x++) acc[t][x] = _mm512_fmadd_ps(k, qv[x], acc[t][x]);
         }
     }
@@ -34,9 +35,11 @@ static inline __attribute__((always_inline)) void pf_scores(const float *restric
         for (int x = 0; x < PF_X; x++) _mm512_store_ps(st + t * PF_ROWS + 16 * x, _mm512_mul_ps(acc[t][x], s));
 }
 
-/* O^T[d] = O^T[d] * corr + sum_t V[t][d] P^T[t] for the head's elements, PF_KEYS at a time. */
-static inline void pf_values(const float *restrict vt, int64_t slot, const float *restrict pt, int64_t n,
-                             int64_t D, const __m512 *corr, float *restrict ot) {
+/* O^T[d] = O^T[d] * corr + sum_t V[t][d] P^T[t] for the head's elements, PF_KEYS at a time; V[0] at
+ * element vt of the pool. */
+static inline __attribute__((always_inline)) void pf_values(const void *kv, int64_t vt, int64_t slot,
+                                                           const float *restrict pt, int64_t n, int64_t D,
+                                                           const __m512 *corr, float *restrict ot, const int bf) {
     for (int64_t d0 = 0; d0 < D; d0 += PF_KEYS) {
         __m512 acc[PF_KEYS][PF_X];
         for (int e = 0; e < PF_KEYS; e++)
@@ -46,7 +49,7 @@ static inline void pf_values(const float *restrict vt, int64_t slot, const float
             __m512 p[PF_X];
             for (int x = 0; x < PF_X; x++) p[x] = _mm512_load_ps(pt + t * PF_ROWS + 16 * x);
             for (int e = 0; e < PF_KEYS; e++) {
-                const __m512 v = _mm512_set1_ps(vt[t * slot + d0 + e]);
+                const __m512 v = _mm512_set1_ps(kv_at(kv, vt + t * slot + d0 + e, bf));
                 for (int x = 0; x < PF_X; x++) acc[e][x] = _mm512_fmadd_ps(v, p[x], acc[e][x]);
             }
         }
@@ -56,9 +59,10 @@ static inline void pf_values(const float *restrict vt, int64_t slot, const float
 }
 
 /* q: [q_len, H, D] rows `q_row_stride` floats apart (heads contiguous), the chunk's queries at
- * positions num_cached .. num_cached + q_len - 1; table: the request's blocks (covering them);
+ * positions num_cached .. num_cached + q_len - 1; kv: the layer's view of a float32 pool, or of a
+ * bfloat16 one where kv_bf16 (strides in elements); table: the request's blocks (covering them);
  * out: [q_len, H, D] contiguous. head_dim a multiple of PF_KEYS; H / KV <= PF_ROWS. */
-void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const float *kv, int64_t block_stride,
+void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16, int64_t block_stride,
                                  int64_t side_stride, const int64_t *table, int64_t num_cached, int64_t q_len,
                                  float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, int num_threads) {
@@ -94,11 +98,15 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const flo
             const int64_t first_diag = num_cached + i0, end = num_cached + i0 + n_pos; /* keys [0, end) */
             for (int64_t p = 0; p < end;) {
                 int64_t n;
-                const float *kb = chunk_at(kv, block_stride, table, p, end, block_size, slot, &n) + g * D;
-                const float *vb = kb + side_stride;
+                const int64_t kb = chunk_at(block_stride, table, p, end, block_size, slot, &n) + g * D;
+                const int64_t vb = kb + side_stride;
                 int64_t t = 0;
-                for (; t + PF_KEYS <= n; t += PF_KEYS) pf_scores(kb + t * slot, slot, qt, D, scale, st + t * PF_ROWS, PF_KEYS);
-                for (; t < n; t++) pf_scores(kb + t * slot, slot, qt, D, scale, st + t * PF_ROWS, 1);
+#define SCORES(T, BF) pf_scores(kv, kb + t * slot, slot, qt, D, scale, st + t * PF_ROWS, T, BF)
+                for (; t + PF_KEYS <= n; t += PF_KEYS)
+                    if (kv_bf16) SCORES(PF_KEYS, 1); else SCORES(PF_KEYS, 0);
+                for (; t < n; t++)
+                    if (kv_bf16) SCORES(1, 1); else SCORES(1, 0);
+#undef SCORES
                 if (p + n > first_diag) /* keys past some row's position: masked out for it */
                     for (t = 0; t < n; t++)
                         for (int x = 0; x < PF_X; x++) {
@@ -121,7 +129,8 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const flo
                     sm[x] = _mm512_fmadd_ps(sm[x], corr[x], sum);
                     mx[x] = m;
                 }
-                pf_values(vb, slot, st, n, D, corr, ot);
+                if (kv_bf16) pf_values(kv, vb, slot, st, n, D, corr, ot, 1);
+                else pf_values(kv, vb, slot, st, n, D, corr, ot, 0);
                 p += n;
             }
             float inv[PF_ROWS] __attribute__((aligned(64)));
