@@ -15,13 +15,19 @@ block between tiers is one copy, not `num_layers × 2` (vLLM's layer-first layou
 The HBM pool lives on the compute device (on CPU it is a second host tensor); the DRAM pool
 lives in host memory, page-locked when the device is CUDA so copies run as DMA. Torch's
 pinned allocator rounds each allocation up to a power of two and caches it, so a large pool
-is allocated as plain host memory and registered with the CUDA runtime instead.
+is allocated as plain host memory and registered with the CUDA runtime instead. Unpinned host
+pools (a CPU worker's both) ask the kernel for transparent huge pages: attention reads a layer's
+keys a block at a time, 2 MB pages make those scattered reads cost no TLB walks, and the
+hardware prefetchers do not stop at every 4 KB.
 
 Nothing here decides which block holds what: the scheduler owns the block tables.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +44,8 @@ PIN_DIRECT_MAX_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of the device's memory, in use by this process in total
 DEFAULT_CPU_MEMORY_FRACTION = 0.25  # of the RAM available now (DRAM pool and model share it)
 _PAGE = 4096
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
 _HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
@@ -140,6 +148,30 @@ def _aligned_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     return raw[offset : offset + num_bytes].view(dtype).view(shape)
 
 
+def huge_page_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Host memory on a 2 MB boundary, advised (madvise MADV_HUGEPAGE) to be backed by transparent
+    huge pages as it is first written: what the kernel's THP setting "madvise" (the common
+    default) waits for. Where the advice fails it is plain memory; nothing else changes."""
+    num_bytes = _numel(shape) * dtype.itemsize
+    if num_bytes < _HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(num_bytes + _HUGE_PAGE, dtype=torch.uint8)  # not yet written: no page is backed
+    offset = (-raw.data_ptr()) % _HUGE_PAGE
+    libc = _libc()
+    if libc is not None:
+        length = num_bytes // _HUGE_PAGE * _HUGE_PAGE
+        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    return raw[offset : offset + num_bytes].view(dtype).view(shape)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -172,7 +204,7 @@ def alloc_host_pool(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> tu
     """(tensor, registered): page-locked when `pin`; `registered` says it must be unregistered."""
     num_bytes = _numel(shape) * dtype.itemsize
     if not pin:
-        return torch.empty(shape, dtype=dtype), False
+        return huge_page_host_tensor(shape, dtype), False
     if num_bytes <= PIN_DIRECT_MAX_BYTES:
         try:
             return torch.empty(shape, dtype=dtype, pin_memory=True), False
@@ -209,7 +241,11 @@ class KVPools:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         # hbm, dram: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-        self.hbm = torch.empty(spec.pool_shape(num_hbm_blocks), dtype=spec.dtype, device=self.device)
+        shape = spec.pool_shape(num_hbm_blocks)
+        if self.device.type == "cpu":
+            self.hbm = huge_page_host_tensor(shape, spec.dtype)
+        else:
+            self.hbm = torch.empty(shape, dtype=spec.dtype, device=self.device)
         self.dram, self._registered = alloc_host_pool(
             spec.pool_shape(num_dram_blocks), spec.dtype, pin=self.device.type == "cuda"
         )
