@@ -18,6 +18,7 @@ import torch
 
 from services.worker.attention import build_metadata
 from services.worker.grammar import Constraint, GrammarCompiler, mask_rows
+from services.worker.kv_pool import huge_page_host_tensor
 from services.worker.logits import process_row, raw_logprobs, token_logprobs, wants_processing
 from services.worker.model import LlamaModel
 from services.worker.sampler import draw_seed, make_generator, request_seed, sample
@@ -54,8 +55,12 @@ def kv_block_shape(cfg: ModelConfig, block_size: int) -> tuple[int, ...]:
 def allocate_kv_pool(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
-    """[num_blocks, num_layers, 2, block_size, KV, D], zeroed."""
-    return torch.zeros((num_blocks, *kv_block_shape(cfg, block_size)), dtype=dtype, device=device)
+    """[num_blocks, num_layers, 2, block_size, KV, D], zeroed (on CPU in huge pages where the kernel
+    gives them, as the worker's pools: kv_pool.py)."""
+    shape = (num_blocks, *kv_block_shape(cfg, block_size))
+    if torch.device(device).type == "cpu":
+        return huge_page_host_tensor(shape, dtype).zero_()
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass
