@@ -16,24 +16,20 @@ The HBM pool lives on the compute device (on CPU it is a second host tensor); th
 lives in host memory, page-locked when the device is CUDA so copies run as DMA. Torch's
 pinned allocator rounds each allocation up to a power of two and caches it, so a large pool
 is allocated as plain host memory and registered with the CUDA runtime instead. Unpinned host
-pools (a CPU worker's both) ask the kernel for transparent huge pages: attention reads a layer's
-keys a block at a time, 2 MB pages make those scattered reads cost no TLB walks, and the
-hardware prefetchers do not stop at every 4 KB.
+pools (a CPU worker's both) ask the kernel for transparent huge pages (host_memory.py).
 
 Nothing here decides which block holds what: the scheduler owns the block tables.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from services.worker.host_memory import huge_page_host_tensor
 from shared.config import DEFAULT_BLOCK_SIZE, kv_block_bytes, kv_segment_bytes
 
 if TYPE_CHECKING:  # the pools need only the model's shape; keep msgspec out of this import
@@ -44,8 +40,6 @@ PIN_DIRECT_MAX_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of the device's memory, in use by this process in total
 DEFAULT_CPU_MEMORY_FRACTION = 0.25  # of the RAM available now (DRAM pool and model share it)
 _PAGE = 4096
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 _HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
@@ -146,30 +140,6 @@ def _aligned_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
     raw = torch.empty(num_bytes + _PAGE, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % _PAGE
     return raw[offset : offset + num_bytes].view(dtype).view(shape)
-
-
-def huge_page_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Host memory on a 2 MB boundary, advised (madvise MADV_HUGEPAGE) to be backed by transparent
-    huge pages as it is first written: what the kernel's THP setting "madvise" (the common
-    default) waits for. Where the advice fails it is plain memory; nothing else changes."""
-    num_bytes = _numel(shape) * dtype.itemsize
-    if num_bytes < _HUGE_PAGE:
-        return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(num_bytes + _HUGE_PAGE, dtype=torch.uint8)  # not yet written: no page is backed
-    offset = (-raw.data_ptr()) % _HUGE_PAGE
-    libc = _libc()
-    if libc is not None:
-        length = num_bytes // _HUGE_PAGE * _HUGE_PAGE
-        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    return raw[offset : offset + num_bytes].view(dtype).view(shape)
-
-
-@functools.cache
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from services.worker.attention import build_metadata
 from services.worker.grammar import Constraint, GrammarCompiler, mask_rows
-from services.worker.kv_pool import huge_page_host_tensor
+from services.worker.host_memory import huge_page_host_tensor
 from services.worker.logits import process_row, raw_logprobs, token_logprobs, wants_processing
 from services.worker.model import LlamaModel
 from services.worker.sampler import draw_seed, make_generator, request_seed, sample

@@ -1,0 +1,46 @@
+"""Host memory in transparent huge pages, for the CPU worker's KV pools: attention reads a
+layer's keys a block at a time, each block a layer's whole KV apart from the next, so with 4 KB
+pages every block read walks the page tables and the hardware prefetchers stop at each page's
+end; 2 MB pages remove both (a gguf decode step at a 2048-token context: 3.6% faster, paired
+steps in one process; no change at 512 tokens). Linux gives them to memory advised with
+MADV_HUGEPAGE when its THP setting is "madvise" (the common default) or "always"; elsewhere the
+advice fails and the memory is plain, nothing else changes. torch does not advise its own
+allocations, so the tensors here are allocated unwritten, advised, and only then written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import math
+
+import torch
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def huge_page_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Host memory on a 2 MB boundary, advised (madvise MADV_HUGEPAGE) to be backed by transparent
+    huge pages as it is first written: what the kernel's THP setting "madvise" (the common
+    default) waits for. Where the advice fails it is plain memory; nothing else changes."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes < _HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(num_bytes + _HUGE_PAGE, dtype=torch.uint8)  # not yet written: no page is backed
+    offset = (-raw.data_ptr()) % _HUGE_PAGE
+    libc = _libc()
+    if libc is not None:
+        length = num_bytes // _HUGE_PAGE * _HUGE_PAGE
+        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    return raw[offset : offset + num_bytes].view(dtype).view(shape)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
