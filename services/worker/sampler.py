@@ -52,8 +52,8 @@ def sample(
     tokens = [0] * num_rows
     greedy = [i for i in range(num_rows) if is_greedy(params[i])]
     random = [i for i in range(num_rows) if not is_greedy(params[i])]
-    if greedy:
-        picked = logits[greedy].argmax(dim=-1).tolist()
+    if greedy:  # all rows, the common case, without the copy a list index makes (~0.1 ms at 49K ids)
+        picked = (logits if len(greedy) == num_rows else logits[greedy]).argmax(dim=-1).tolist()
         for i, t in zip(greedy, picked):
             tokens[i] = t
     if random:
