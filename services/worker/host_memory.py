@@ -21,6 +21,14 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
+def aligned_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, alignment: int) -> torch.Tensor:
+    """Host memory, not yet written, starting on an `alignment`-byte boundary (a power of two)."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    raw = torch.empty(num_bytes + alignment, dtype=torch.uint8)
+    offset = (-raw.data_ptr()) % alignment
+    return raw[offset : offset + num_bytes].view(dtype).view(shape)
+
+
 def huge_page_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Host memory on a 2 MB boundary, advised (madvise MADV_HUGEPAGE) to be backed by transparent
     huge pages as it is first written: what the kernel's THP setting "madvise" (the common
@@ -28,13 +36,12 @@ def huge_page_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     num_bytes = math.prod(shape) * dtype.itemsize
     if num_bytes < _HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(num_bytes + _HUGE_PAGE, dtype=torch.uint8)  # not yet written: no page is backed
-    offset = (-raw.data_ptr()) % _HUGE_PAGE
+    t = aligned_host_tensor(shape, dtype, _HUGE_PAGE)
     libc = _libc()
     if libc is not None:
         length = num_bytes // _HUGE_PAGE * _HUGE_PAGE
-        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    return raw[offset : offset + num_bytes].view(dtype).view(shape)
+        libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    return t
 
 
 @functools.cache

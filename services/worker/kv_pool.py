@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.worker.host_memory import huge_page_host_tensor
+from services.worker.host_memory import aligned_host_tensor, huge_page_host_tensor
 from shared.config import DEFAULT_BLOCK_SIZE, kv_block_bytes, kv_segment_bytes
 
 if TYPE_CHECKING:  # the pools need only the model's shape; keep msgspec out of this import
@@ -134,14 +134,6 @@ def available_ram_bytes() -> int:
 # ---------------------------------------------------------------- host memory
 
 
-def _aligned_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Plain host memory starting on a page boundary (what cudaHostRegister wants)."""
-    num_bytes = _numel(shape) * dtype.itemsize
-    raw = torch.empty(num_bytes + _PAGE, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % _PAGE
-    return raw[offset : offset + num_bytes].view(dtype).view(shape)
-
-
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -180,7 +172,7 @@ def alloc_host_pool(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> tu
             return torch.empty(shape, dtype=dtype, pin_memory=True), False
         except RuntimeError:
             pass  # the pinned allocator refused: register plain memory instead
-    t = _aligned_host_tensor(shape, dtype)
+    t = aligned_host_tensor(shape, dtype, _PAGE)  # what cudaHostRegister wants
     _cuda_host_register(t)
     return t, True
 
