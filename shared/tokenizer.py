@@ -17,7 +17,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 
 from shared.chat_template import ChatTemplate
-from shared.modelfile import gguf_fields, is_gguf
+from shared.modelfile import gguf_header, is_gguf
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -120,7 +120,7 @@ def load_tokenizer(path: Path) -> ModelTokenizer:
 
 
 def _from_gguf(path: Path) -> ModelTokenizer:
-    f = gguf_fields(path)
+    f = gguf_header(path).fields
     kind = f.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer {kind!r} is not supported (byte-level BPE 'gpt2' is)")

@@ -21,7 +21,7 @@ import torch
 
 from services.worker import cpu_quant
 from services.worker.cpu_quant import QuantWeight
-from shared.modelfile import ModelConfig, is_gguf
+from shared.modelfile import ModelConfig, gguf_header, is_gguf
 
 Weight = torch.Tensor | QuantWeight
 QUANT_CHOICES = ("gguf", *cpu_quant.WEIGHT_FORMATS)
@@ -69,9 +69,7 @@ def gguf_quantization(path: Path) -> str | None:
     else None (a float GGUF, another quantization, or not a GGUF)."""
     if not is_gguf(path):
         return None
-    import gguf
-
-    kinds = {t.tensor_type.name.lower() for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith("ffn_down.weight")}
+    kinds = {kind for name, kind in gguf_header(path).tensor_types.items() if name.endswith("ffn_down.weight")}
     return kinds.pop() if len(kinds) == 1 and kinds <= set(cpu_quant.FORMATS) else None
 
 
