@@ -3,9 +3,11 @@ gateway is restarted (the scheduler's restart is tests/reliability/test_live_fau
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -31,7 +33,13 @@ def test_sigterm_stops_all_three_within_5s(tmp_path):
     assert len(kids) == 3, server.log_tail()
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    rc = server.proc.wait(timeout=10)
+    try:
+        rc = server.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        for pid in [*kids, server.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"still running 10 s after SIGTERM\n{server.log_tail()}")
     elapsed = time.monotonic() - t0
     assert elapsed < 5.0, f"took {elapsed:.1f}s\n{server.log_tail()}"
     assert rc == 0
