@@ -10,7 +10,9 @@ worker's `Linear` can hold (services/worker/model.py):
 - `onednn`: the copy packed once for oneDNN;
 - `in_out`: a contiguous [in, out] copy multiplied by torch (MKL's GEMM/GEMV);
 - `q8_0`, `q4_1`: the weights quantized and kept packed (csrc/quant_matmul.c: int8 activations,
-  AVX512-VNNI where present); `bf16`: bfloat16 weights on vdpbf16ps (AVX512-BF16 machines only).
+  AVX512-VNNI where present); `bf16`: bfloat16 weights on vdpbf16ps (AVX512-BF16 machines only);
+  `torch_bf16`: the same bfloat16 weights through torch's own GEMM (oneDNN), as vLLM's CPU build
+  runs a bfloat16 model.
   These are checked against the dequantized weights' product (they round the activations).
 
 The layouts alternate within every repetition, so a machine whose speed drifts slows them
@@ -79,6 +81,18 @@ def quant_layouts(weights: list[torch.Tensor]) -> dict[str, tuple[Callable, list
         if all(p is not None for p in packed):
             fn = lambda xs, packed=packed: [cpu_quant.linear(x, p, None) for x, p in zip(xs, packed)]  # noqa: E731
             out[kind] = (fn, [q.dequantize() for q in quantized[:4]])
+    # torch's own bfloat16 GEMM (oneDNN on CPUs with AVX512-BF16): what a bfloat16 model's
+    # matmuls cost in vLLM's CPU build, beside our bf16 kernel. Its activations are bfloat16 there
+    # already, so they are converted once per set of inputs, outside the timing.
+    bf16 = [w.bfloat16() for w in weights]
+    held: list = [None, None]  # the last float inputs and their bfloat16 copies
+
+    def torch_bf16(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if held[0] is not xs:
+            held[:] = [xs, [x.bfloat16() for x in xs]]
+        return [torch.nn.functional.linear(x, w) for x, w in zip(held[1], bf16)]
+
+    out["torch_bf16"] = (torch_bf16, [w.float() for w in bf16[:4]])
     return out
 
 
@@ -135,9 +149,9 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(ms: dict[str, dict[int, float]], rows_list: list[int]) -> str:
     names = list(ms)
-    lines = [f"{'rows':>6}" + "".join(f"{n:>10}" for n in names) + "   ms per step, all layers"]
+    lines = [f"{'rows':>6}" + "".join(f"{n:>11}" for n in names) + "   ms per step, all layers"]
     for rows in rows_list:
-        lines.append(f"{rows:>6}" + "".join(f"{ms[n][rows]:>10.1f}" for n in names))
+        lines.append(f"{rows:>6}" + "".join(f"{ms[n][rows]:>11.1f}" for n in names))
     return "\n".join(lines)
 
 
