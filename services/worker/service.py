@@ -19,9 +19,9 @@ injection that tests it (faults.py) is off unless `SUPERINFER_FAULTS` is set.
 from __future__ import annotations
 
 import argparse
-import gc
 import asyncio
 import dataclasses
+import gc
 import os
 import queue
 import signal
