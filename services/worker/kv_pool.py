@@ -23,6 +23,7 @@ Nothing here decides which block holds what: the scheduler owns the block tables
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -134,13 +135,6 @@ def available_ram_bytes() -> int:
 # ---------------------------------------------------------------- host memory
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _cuda_host_register(t: torch.Tensor) -> None:
     num_bytes = t.numel() * t.element_size()
     try:
@@ -164,7 +158,7 @@ def _cuda_host_unregister(t: torch.Tensor) -> None:
 
 def alloc_host_pool(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, bool]:
     """(tensor, registered): page-locked when `pin`; `registered` says it must be unregistered."""
-    num_bytes = _numel(shape) * dtype.itemsize
+    num_bytes = math.prod(shape) * dtype.itemsize
     if not pin:
         return huge_page_host_tensor(shape, dtype), False
     if num_bytes <= PIN_DIRECT_MAX_BYTES:
