@@ -60,6 +60,7 @@ class CpuKernels:
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
         self._copy_blocks = _bind(lib.copy_blocks, [_ptr, _ptr, _i64, _ptr, _ptr, _i64])
+        self._read_words = _bind(lib.read_words, [_ptr, _i64, c_int], restype=ctypes.c_uint64)
         # Absent where the compiler does not target AVX-512 (csrc: small-batch matmul).
         panels = getattr(lib, "linear_panels_f32", None)
         self._linear = panels and _bind(panels, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int])
@@ -211,6 +212,17 @@ class CpuKernels:
         ids = (_i64 * (2 * num))(*src_ids, *dst_ids)
         block_bytes = src[0].numel() * src.element_size()
         self._copy_blocks(src.data_ptr(), dst.data_ptr(), block_bytes, ids, ctypes.addressof(ids) + 8 * num, num)
+
+
+    # ------------------------------------------------------------ memory
+
+    def read(self, t: torch.Tensor, threads: int | None = None) -> int:
+        """One streaming read of `t`'s bytes (contiguous, 64-byte aligned, a multiple of 64 bytes)
+        on `threads` threads (default torch's), as fast as this library reads memory; returns the
+        sum of its 64-bit words (what the read computes, so that it is not optimised away)."""
+        num_bytes = t.numel() * t.element_size()
+        assert t.is_contiguous() and t.data_ptr() % 64 == 0 and num_bytes % 64 == 0
+        return self._read_words(t.data_ptr(), num_bytes, threads or _threads())
 
 
 def _linear(

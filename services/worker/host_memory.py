@@ -1,4 +1,10 @@
-"""Host memory in transparent huge pages, for the CPU worker's KV pools: attention reads a
+"""Host memory in transparent huge pages, for the CPU worker's weights and KV pools.
+
+A decode step streams every weight once, 120 matrices of 0.2-2 MB each for the bundled model:
+with 4 KB pages each page walks the page tables and the hardware prefetchers stop at its end,
+and a matrix that small never reaches the link's streaming rate (the 120 gguf matmuls of a step
+on 2 threads here, 66 MB: 3.2 -> 2.5 ms in 2 MB pages, 1 thread 4.8 -> 2.9 ms). So the model's
+streamed weights share one huge-page region (`huge_page_copies`). For the KV pools: attention reads a
 layer's keys a block at a time, each block a layer's whole KV apart from the next, so with 4 KB
 pages every block read walks the page tables and the hardware prefetchers stop at each page's
 end; 2 MB pages remove both (a gguf decode step at a 2048-token context: 3.6% faster, paired
@@ -27,6 +33,19 @@ def aligned_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, alignment: i
     raw = torch.empty(num_bytes + alignment, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % alignment
     return raw[offset : offset + num_bytes].view(dtype).view(shape)
+
+
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` (CPU, contiguous) side by side in one huge-page region, each on a
+    64-byte boundary: one region so that matrices smaller than a huge page still get them."""
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
+    region = huge_page_host_tensor((sum(sizes),), torch.uint8)
+    copies, offset = [], 0
+    for t, size in zip(tensors, sizes):
+        copy = region[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        copies.append(copy.copy_(t))
+        offset += size
+    return copies
 
 
 def huge_page_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -13,6 +13,7 @@ of o_proj and down. With one rank it is None and the layers run no collective.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from torch import nn
 
 from services.worker import cpu_kernels, cpu_quant, fused_decode
 from services.worker.attention import AttentionMetadata, paged_attention, write_kv
+from services.worker.host_memory import huge_page_copies
 from shared.modelfile import ModelConfig
 
 
@@ -85,6 +87,19 @@ class Linear(nn.Module):
         if self.packed is not None and (rows > self.GEMV_MAX_ROWS or self.weight is None):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+    def streamed(self) -> list[str]:
+        """Names of the attributes holding what a step streams: the packed quantized data, the
+        panels, the AMX tiles, the [in, out] copy (not oneDNN's copy: large prefills only)."""
+        return ["quant_data"] if self.quant is not None else [n for n in ("tiles", "panels", "weight") if getattr(self, n) is not None]
+
+    def replace_streamed(self, name: str, t: torch.Tensor) -> None:
+        """Holds `t`, a copy of what `name` (from `streamed`) holds, in its place."""
+        if name == "quant_data":
+            self.quant = dataclasses.replace(self.quant, data=t)
+            self.quant_data = t
+        else:
+            setattr(self, name, _param(t))
 
     def native(self, rows: int) -> tuple[int, int, int, int] | None:
         """The native matmul `forward` runs for `rows` rows, for a native caller (fused_decode.py):
@@ -285,6 +300,12 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(head, None) if device.type == "cpu" or not cfg.tie_embeddings else None
         # Not a buffer: `.to(dtype=bfloat16)` would round the frequencies; kept float32 per device.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        if device.type == "cpu":  # the matrices a step streams in huge pages (host_memory.py)
+            linears = [m for m in self.modules() if isinstance(m, Linear)]
+            held = [(m, name) for m in linears for name in m.streamed()]
+            copies = huge_page_copies([getattr(m, name).data for m, name in held])
+            for (m, name), copy in zip(held, copies):
+                m.replace_streamed(name, copy)
         # Decode steps through csrc/decode_step.c where they qualify (the same result to the bit;
         # off: layer by layer, as tests compare).
         self.fused_decode = True

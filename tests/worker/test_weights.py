@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +182,30 @@ def test_bfloat16_model_stays_close_to_float32(tmp_path):
     assert logits[1].dtype == torch.float32
     assert (logits[1] - logits[0]).abs().max() < 0.1 * logits[0].abs().max()
     assert half._rope_inv_freq(torch.device("cpu")).dtype == torch.float32
+
+
+def _huge_page_kb(address: int) -> int:
+    """AnonHugePages (kB) of this process's mapping that holds `address`."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_streamed_matrices_lie_together_in_huge_pages(model):
+    """A decode step streams every matrix once: they lie side by side, each on a 64-byte line,
+    in one region that Linux backs with 2 MB pages where its THP setting allows (host_memory.py)."""
+    held = [getattr(m, name) for m in model.modules() if isinstance(m, model_module.Linear) for name in m.streamed()]
+    assert len(held) == 4 * model.cfg.num_layers + 1  # the head too
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in held)
+    assert all(start % 64 == 0 for start, _ in spans)
+    assert spans[-1][1] - spans[0][0] < sum(end - start + 64 for start, end in spans)  # no gaps beyond alignment
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off here")
+    assert _huge_page_kb(spans[0][0] + (2 << 20)) > 0
