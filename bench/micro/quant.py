@@ -15,7 +15,9 @@ load), the same model file:
   `--context`-token context, with the bytes of weights a step reads (every layer matrix and
   the head, in the layout the worker holds), and the memory-bandwidth limit for those bytes:
   the time of one read of that many bytes, measured here in turns with the steps (a
-  `--read-gb` GB buffer summed once a round, the median) — the ITL no kernel could beat; and
+  `--read-gb` GB buffer in huge pages, as the weights lie, read once a round by the kernels'
+  streaming read on as many threads as the steps, the median; torch's sum of the same buffer
+  is reported beside it) — the ITL no kernel could beat; and
   beside it the limit for the weights and the `--context` tokens of KV a step's attention
   reads too (K and V of every layer: ~24 MB at 512 tokens in float32, a quarter of the GGUF's
   packed weights; half that in bfloat16).
@@ -42,7 +44,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from services.worker import cpu_kernels
 from services.worker.attention import build_metadata
+from services.worker.host_memory import huge_page_host_tensor
 from services.worker.model import LlamaModel, Linear
 from services.worker.runner import ModelRunner, allocate_kv_pool, load_model
 from services.worker.service import resolve_kv_dtype
@@ -99,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
         }
         print(f"{name}: agreement {out['token_agreement']:.3f}, ppl {out['perplexity']:.3f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
-    itl, gbps = decode_itl(models, cfg, args.context, args.steps, args.read_gb)
-    results["read_gbps"] = gbps
+    itl, gbps, torch_gbps = decode_itl(models, cfg, args.context, args.steps, args.read_gb)
+    results["read_gbps"], results["torch_sum_gbps"] = gbps, torch_gbps
     for name, out in results["precisions"].items():
         kv_bytes = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.context, models[name][2].itemsize)
         out["itl_ms"] = itl[name]
@@ -200,10 +204,12 @@ def step_weight_bytes(model: LlamaModel) -> int:
 
 
 @torch.inference_mode()
-def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> tuple[dict[str, float], float]:
-    """ms of a one-request decode step at `context` tokens per precision, and the GB/s of one pass
-    summing a `read_gb` GB buffer (far larger than the caches). Measured in turns, a step of each
-    precision and a read each round, so that the limit and the steps see the same machine."""
+def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> tuple[dict[str, float], float, float]:
+    """ms of a one-request decode step at `context` tokens per precision, and the GB/s of one
+    read of a `read_gb` GB buffer (far larger than the caches, in huge pages as the weights are):
+    the kernels' streaming read (torch's sum where the kernels are not built), and torch's sum.
+    Measured in turns, a step of each precision and the reads each round, so that the limit and
+    the steps see the same machine."""
     blocks = -(-(context + steps + 1) // BLOCK)
     state = {}
     for name, (model, _, kv) in models.items():
@@ -212,7 +218,10 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> t
         meta = build_metadata([0], [context], [list(range(blocks))], BLOCK, "cpu")
         model(ids, torch.arange(context), meta, pool, torch.tensor([context - 1]))
         state[name] = (model, pool, [])
-    buf, reads = torch.ones(int(read_gb * 1e9) // 4, dtype=torch.float32), []
+    buf = huge_page_host_tensor((int(read_gb * 1e9) // 64 * 16,), torch.float32).fill_(1.0)
+    native = cpu_kernels.kernels()
+    read = (lambda: native.read(buf)) if native is not None else buf.sum
+    reads, sums = [], []
     for i in range(steps + 2):
         for name, (model, pool, times) in state.items():
             pos = context + i
@@ -221,17 +230,19 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> t
             model(torch.tensor([7]), torch.tensor([pos]), meta, pool, torch.tensor([0]))
             if i >= 2:  # two warm-up rounds
                 times.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        buf.sum()
-        if i >= 2:
-            reads.append(time.perf_counter() - t)
-    gbps = buf.numel() * 4 / statistics.median(reads) / 1e9
-    return {name: 1e3 * statistics.median(times) for name, (_, _, times) in state.items()}, gbps
+        for f, out in ((read, reads), (buf.sum, sums)):
+            t = time.perf_counter()
+            f()
+            if i >= 2:
+                out.append(time.perf_counter() - t)
+    gbps, torch_gbps = (buf.numel() * 4 / statistics.median(r) / 1e9 for r in (reads, sums))
+    return {name: 1e3 * statistics.median(times) for name, (_, _, times) in state.items()}, gbps, torch_gbps
 
 
 def markdown(results: dict) -> str:
     lines = [
-        f"memory read: {results['read_gbps']:.1f} GB/s, {results['threads']} threads",
+        f"memory read: {results['read_gbps']:.1f} GB/s (torch's sum: {results['torch_sum_gbps']:.1f}), "
+        f"{results['threads']} threads",
         "| precision | KV | weights read per step (MB) | 1-stream ITL (ms) | bandwidth limit (ms) | ITL / limit "
         "| limit with the KV (ms) | ITL / that | greedy agreement | identical prompts | perplexity |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -2,17 +2,23 @@
  * quant` times as the memory-bandwidth limit of a decode step (bench/micro/quant.py). The 64-bit
  * words are summed (so that the loads are not optimised away) in eight lanes, one 64-byte line a
  * vector add: far less work than the loads, which bound it. */
+#include <omp.h>
+
 #include "kernels.h"
 
 /* Sum of the n / 8 words at p (p 64-byte aligned, n a multiple of 64), split over num_threads
  * threads in contiguous shares. */
 uint64_t read_words(const uint64_t *p, int64_t n, int num_threads) {
     const int64_t lines = n / 64;
-    uint64_t lane[8] = {0};
-#pragma omp parallel for schedule(static) reduction(+ : lane[:8]) num_threads(num_threads)
-    for (int64_t i = 0; i < lines; i++)
-        for (int j = 0; j < 8; j++) lane[j] += p[8 * i + j];
     uint64_t total = 0;
-    for (int j = 0; j < 8; j++) total += lane[j];
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const uint64_t *line = p + 8 * (lines * t / nt), *end = p + 8 * (lines * (t + 1) / nt);
+        uint64_t lane[8] = {0}; /* one vector register: an array shared by the team would go through memory */
+        for (; line < end; line += 8)
+            for (int j = 0; j < 8; j++) lane[j] += line[j];
+        for (int j = 0; j < 8; j++) total += lane[j];
+    }
     return total;
 }
