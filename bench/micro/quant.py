@@ -16,8 +16,8 @@ load), the same model file:
   the head, in the layout the worker holds), and the memory-bandwidth limit for those bytes:
   the time of one read of that many bytes, measured here in turns with the steps (a
   `--read-gb` GB buffer in huge pages, as the weights lie, read once a round by the kernels'
-  streaming read on as many threads as the steps, the median; torch's sum of the same buffer
-  is reported beside it) — the ITL no kernel could beat; and
+  streaming read and summed once by torch, on as many threads as the steps: the faster of the
+  two medians) — the ITL no kernel could beat; and
   beside it the limit for the weights and the `--context` tokens of KV a step's attention
   reads too (K and V of every layer: ~24 MB at 512 tokens in float32, a quarter of the GGUF's
   packed weights; half that in bfloat16).
@@ -207,7 +207,7 @@ def step_weight_bytes(model: LlamaModel) -> int:
 def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> tuple[dict[str, float], float, float]:
     """ms of a one-request decode step at `context` tokens per precision, and the GB/s of one
     read of a `read_gb` GB buffer (far larger than the caches, in huge pages as the weights are):
-    the kernels' streaming read (torch's sum where the kernels are not built), and torch's sum.
+    the faster of the kernels' streaming read and torch's sum, and torch's sum alone.
     Measured in turns, a step of each precision and the reads each round, so that the limit and
     the steps see the same machine."""
     blocks = -(-(context + steps + 1) // BLOCK)
@@ -220,7 +220,7 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> t
         state[name] = (model, pool, [])
     buf = huge_page_host_tensor((int(read_gb * 1e9) // 64 * 16,), torch.float32).fill_(1.0)
     native = cpu_kernels.kernels()
-    read = (lambda: native.read(buf)) if native is not None else buf.sum
+    read = (lambda: native.read(buf)) if native is not None else buf.sum  # torch's twice without kernels
     reads, sums = [], []
     for i in range(steps + 2):
         for name, (model, pool, times) in state.items():
@@ -235,8 +235,9 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> t
             f()
             if i >= 2:
                 out.append(time.perf_counter() - t)
-    gbps, torch_gbps = (buf.numel() * 4 / statistics.median(r) / 1e9 for r in (reads, sums))
-    return {name: 1e3 * statistics.median(times) for name, (_, _, times) in state.items()}, gbps, torch_gbps
+    native_gbps, torch_gbps = (buf.numel() * 4 / statistics.median(r) / 1e9 for r in (reads, sums))
+    itl = {name: 1e3 * statistics.median(times) for name, (_, _, times) in state.items()}
+    return itl, max(native_gbps, torch_gbps), torch_gbps
 
 
 def markdown(results: dict) -> str:
