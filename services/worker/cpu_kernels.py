@@ -213,13 +213,12 @@ class CpuKernels:
         block_bytes = src[0].numel() * src.element_size()
         self._copy_blocks(src.data_ptr(), dst.data_ptr(), block_bytes, ids, ctypes.addressof(ids) + 8 * num, num)
 
-
     # ------------------------------------------------------------ memory
 
     def read(self, t: torch.Tensor, threads: int | None = None) -> int:
         """One streaming read of `t`'s bytes (contiguous, 64-byte aligned, a multiple of 64 bytes)
-        on `threads` threads (default torch's), as fast as this library reads memory; returns the
-        sum of its 64-bit words (what the read computes, so that it is not optimised away)."""
+        on `threads` threads (default torch's), each a contiguous share; returns the sum of its
+        64-bit words (what the read computes, so that it is not optimised away)."""
         num_bytes = t.numel() * t.element_size()
         assert t.is_contiguous() and t.data_ptr() % 64 == 0 and num_bytes % 64 == 0
         return self._read_words(t.data_ptr(), num_bytes, threads or _threads())

@@ -91,7 +91,9 @@ class Linear(nn.Module):
     def streamed(self) -> list[str]:
         """Names of the attributes holding what a step streams: the packed quantized data, the
         panels, the AMX tiles, the [in, out] copy (not oneDNN's copy: large prefills only)."""
-        return ["quant_data"] if self.quant is not None else [n for n in ("tiles", "panels", "weight") if getattr(self, n) is not None]
+        if self.quant is not None:
+            return ["quant_data"]
+        return [name for name in ("tiles", "panels", "weight") if getattr(self, name) is not None]
 
     def replace_streamed(self, name: str, t: torch.Tensor) -> None:
         """Holds `t`, a copy of what `name` (from `streamed`) holds, in its place."""

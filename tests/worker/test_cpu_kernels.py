@@ -103,3 +103,16 @@ def test_bf16x3_refuses_shapes_its_tiles_do_not_cover():
         pytest.skip("no AMX matmul kernel on this machine")
     assert native.pack_bf16x3(torch.randn(40, 64)) is None  # 40 outputs: not whole 16-column tiles
     assert native.pack_bf16x3(torch.randn(48, 80)) is None  # 80 inputs: not whole 32-input tiles
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_streaming_read_covers_every_byte_once(threads):
+    """`bench quant`'s bandwidth read: every 64-bit word summed exactly once, whatever the split."""
+    native = cpu_kernels.kernels()
+    if native is None:
+        pytest.skip("native CPU kernels not built here")
+    from services.worker.host_memory import aligned_host_tensor
+
+    words = aligned_host_tensor((8 * 1001,), torch.int64, 64)
+    words.copy_(torch.randint(0, 1 << 40, words.shape, generator=torch.Generator().manual_seed(threads)))
+    assert native.read(words, threads) == int(words.sum()) % (1 << 64)

@@ -200,8 +200,9 @@ def _huge_page_kb(address: int) -> int:
 def test_streamed_matrices_lie_together_in_huge_pages(model):
     """A decode step streams every matrix once: they lie side by side, each on a 64-byte line,
     in one region that Linux backs with 2 MB pages where its THP setting allows (host_memory.py)."""
-    held = [getattr(m, name) for m in model.modules() if isinstance(m, model_module.Linear) for name in m.streamed()]
-    assert len(held) == 4 * model.cfg.num_layers + 1  # the head too
+    linears = [m for m in model.modules() if isinstance(m, model_module.Linear)]
+    assert len(linears) == 4 * model.cfg.num_layers + 1 and all(m.streamed() for m in linears)  # the head too
+    held = [getattr(m, name) for m in linears for name in m.streamed()]
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in held)
     assert all(start % 64 == 0 for start, _ in spans)
     assert spans[-1][1] - spans[0][0] < sum(end - start + 64 for start, end in spans)  # no gaps beyond alignment

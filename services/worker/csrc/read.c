@@ -1,5 +1,5 @@
-/* One streaming read of a buffer, the fastest this library reads memory: what `superinfer bench
- * quant` times as the memory-bandwidth limit of a decode step (bench/micro/quant.py). The 64-bit
+/* One streaming read of a buffer: what `superinfer bench quant` times, beside torch's sum of the
+ * same buffer, for the memory-bandwidth limit of a decode step (bench/micro/quant.py). The 64-bit
  * words are summed (so that the loads are not optimised away) in eight lanes, one 64-byte line a
  * vector add: far less work than the loads, which bound it. */
 #include <omp.h>
