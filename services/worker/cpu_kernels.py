@@ -59,6 +59,7 @@ class CpuKernels:
         self._add_rms_norm = _bind(lib.add_rms_norm_f32, [_ptr, _ptr, _ptr, f, _ptr, _i64, _i64, c_int])
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
+        self._write_kv = _bind(lib.write_kv_f32, [_ptr, _ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _ptr, _i64, _i64])
         self._copy_blocks = _bind(lib.copy_blocks, [_ptr, _ptr, _i64, _ptr, _ptr, _i64])
         self._read_words = _bind(lib.read_words, [_ptr, _i64, c_int], restype=ctypes.c_uint64)
         # Absent where the compiler does not target AVX-512 (csrc: small-batch matmul).
@@ -203,7 +204,29 @@ class CpuKernels:
         """x [M, K] (rows contiguous) . W^T (+ bias) -> [M, N] float32, W packed by `pack_bf16x3`."""
         return _linear(self._amx, x, packed, packed.shape[0] * self.amx_n, bias)
 
-    # ------------------------------------------------------------ KV copies
+    # ------------------------------------------------------------ KV stores and copies
+
+    def supports_write_kv(self, k: torch.Tensor, kv_layer: torch.Tensor, meta) -> bool:
+        """k (and v alike): [T, KV, D] with contiguous heads; kv_layer: [N, 2, B, KV, D], a layer's
+        strided view of the pool; the slots as contiguous long tensors."""
+        _, _, _, num_kv, head_dim = kv_layer.shape
+        slots = (meta.slot_blocks, meta.slot_offsets)
+        return (
+            self.applies(k)
+            and self.applies_kv(kv_layer)
+            and k.stride()[1:] == (head_dim, 1)
+            and kv_layer.stride()[2:] == (num_kv * head_dim, head_dim, 1)
+            and all(t.dtype == torch.long and t.device.type == "cpu" and t.is_contiguous() for t in slots)
+        )
+
+    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> None:
+        """Row t of k and v into slot meta.slot_offsets[t] of block meta.slot_blocks[t], rounded
+        to the pool's dtype as torch rounds (`supports_write_kv` holds for k and for v)."""
+        num_rows, num_kv, head_dim = k.shape
+        self._write_kv(
+            k.data_ptr(), v.data_ptr(), k.stride(0), kv_layer.data_ptr(), is_bf16(kv_layer), kv_layer.stride(0),
+            kv_layer.stride(1), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(), num_rows, num_kv * head_dim,
+        )  # fmt: skip
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> None:
         """dst[d] = src[s] for each pair, whole blocks of two contiguous pools of one block

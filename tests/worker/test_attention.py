@@ -88,6 +88,26 @@ def test_write_kv_hits_the_right_slots():
     assert pool[:, 1].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kv_store_equals_torchs(dtype, monkeypatch):
+    """K and V as the model hands them (views into one qkv projection, rows apart by its width)
+    land in the same slots with the same values, rounded as torch rounds into a bfloat16 pool."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("native CPU kernels not built here")
+    meta = build_metadata([3, 0], [6, 5], [[7, 2, 5], [0, 1]], BLOCK, "cpu")
+    qkv = torch.randn(11, (9 + 2 * KV) * D, generator=torch.Generator().manual_seed(0))
+    k = qkv[:, 9 * D : (9 + KV) * D].view(11, KV, D)
+    v = qkv[:, (9 + KV) * D :].view(11, KV, D)
+    pools = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+        pool = torch.zeros(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK, KV, D, dtype=dtype)
+        write_kv(pool[:, 1], k, v, meta)
+        pools.append(pool)
+    assert pools[0].abs().sum() > 0 and torch.equal(pools[0], pools[1])
+
+
 def test_single_token_requests_must_lead():
     with pytest.raises(ValueError, match="first"):
         build_metadata([0, 5], [4, 1], [[0, 1], [2, 3]], BLOCK, "cpu")

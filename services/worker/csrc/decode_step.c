@@ -23,6 +23,9 @@ void add_rms_norm_f32(float *x, const float *delta, const float *w, float eps, f
 void rope_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t num_rows, int64_t num_heads,
               int64_t head_dim, int num_threads);
 void silu_and_mul_f32(const float *gate_up, float *out, int64_t num_rows, int64_t n, int num_threads);
+void write_kv_f32(const float *k, const float *v, int64_t row_stride, void *kv, int bf, int64_t block_stride,
+                  int64_t side_stride, const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t num_rows,
+                  int64_t width);
 void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
                                   int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
                                   int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
@@ -41,16 +44,6 @@ typedef void (*linear_void_fn)(const float *, int64_t, const void *, const float
 /* dims: T, hidden, H, KV, D, I, block_size, layer_stride, block_stride, side_stride, max_blocks,
  * kv_bf16 (the pool's strides in elements; 1 where they are bfloat16, else float32) */
 #define NUM_DIMS 12
-
-/* n floats into the pool at element i, as they are or rounded to bfloat16 (as torch rounds). */
-static void store_kv(void *kv, int64_t i, const float *x, int64_t n, int bf) {
-    if (!bf) {
-        memcpy((float *)kv + i, x, sizeof(float) * n);
-        return;
-    }
-    uint16_t *dst = (uint16_t *)kv + i;
-    for (int64_t j = 0; j < n; j++) dst[j] = float_to_bf16(x[j]);
-}
 
 static int matmul(const int64_t *lin, const float *x, float *y, int64_t M, int64_t N, int64_t K, int threads) {
     if (lin[1]) return ((linear_status_fn)lin[0])(x, K, (const void *)lin[2], (const float *)lin[3], y, N, M, N, K, threads);
@@ -82,11 +75,8 @@ int decode_layers_f32(const int64_t *layers, int64_t num_layers, const int64_t *
         add_rms_norm_f32(x, l ? out : 0, (const float *)w[0], eps, h, T, n, threads);
         failed |= matmul(w + 2, h, qkv, T, nqkv, n, threads);
         rope_f32(qkv, nqkv, cos, sin, T, H + KV, D, threads);
-        for (int64_t t = 0; t < T; t++) {
-            const int64_t slot = slot_blocks[t] * block_stride + slot_offsets[t] * KV * D;
-            store_kv(kv_layer, slot, qkv + t * nqkv + H * D, KV * D, bf);
-            store_kv(kv_layer, slot + side_stride, qkv + t * nqkv + (H + KV) * D, KV * D, bf);
-        }
+        write_kv_f32(qkv + H * D, qkv + (H + KV) * D, nqkv, kv_layer, bf, block_stride, side_stride, slot_blocks,
+                     slot_offsets, T, KV * D);
         paged_decode_attention_spans(qkv, nqkv, kv_layer, bf, block_stride, side_stride, block_ids, max_blocks,
                                      ctx_lens, attn, T, H, KV, D, block_size, scale, span_threads, threads);
         failed |= matmul(w + 6, attn, out, T, n, H * D, threads);
