@@ -72,9 +72,9 @@ void silu_and_mul_f32(const float *gate_up, float *out, int64_t num_rows, int64_
 
 /* ------------------------------------------------------------ KV stores
  * A step's new keys and values into their slots of a layer's view of the pool, rounded to
- * bfloat16 as torch rounds where the pool holds bfloat16. On the calling thread: a 512-token
- * prefill stores 200k values a layer, tens of microseconds, where torch's conversion and
- * index_put took ~0.3 ms. */
+ * bfloat16 as torch rounds where the pool holds bfloat16. On the calling thread: the 30 layers'
+ * stores of a 512-token prefill into a bfloat16 pool took 1.65 ms, against 3.90 ms for torch's
+ * conversion and index_put (same process, alternating). */
 
 static void store_kv(void *kv, int64_t i, const float *x, int64_t n, int bf) {
     if (!bf) {
