@@ -1,4 +1,4 @@
-/* Per-row elementwise ops and KV block copies (services/worker/cpu_kernels.py). */
+/* Per-row elementwise ops, KV stores and KV block copies (services/worker/cpu_kernels.py). */
 #include "kernels.h"
 
 /* ------------------------------------------------------------ per-row elementwise ops
