@@ -184,11 +184,7 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     rounded to the pool's dtype where it is narrower than the model's (a bfloat16 KV cache)
     """
     native = cpu_kernels.for_tensor(k)
-    if (
-        native is not None
-        and k.stride(0) == v.stride(0)
-        and all(native.supports_write_kv(t, kv_layer, meta) for t in (k, v))
-    ):
+    if native is not None and native.supports_write_kv(k, v, kv_layer, meta):
         return native.write_kv(kv_layer, k, v, meta)
     kv_layer[:, 0].index_put_((meta.slot_blocks, meta.slot_offsets), k.to(kv_layer.dtype))
     kv_layer[:, 1].index_put_((meta.slot_blocks, meta.slot_offsets), v.to(kv_layer.dtype))

@@ -206,14 +206,16 @@ class CpuKernels:
 
     # ------------------------------------------------------------ KV stores and copies
 
-    def supports_write_kv(self, k: torch.Tensor, kv_layer: torch.Tensor, meta) -> bool:
-        """k (and v alike): [T, KV, D] with contiguous heads; kv_layer: [N, 2, B, KV, D], a layer's
-        strided view of the pool; the slots as contiguous long tensors."""
+    def supports_write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta) -> bool:
+        """k, v: [T, KV, D] with contiguous heads, rows equally far apart; kv_layer: [N, 2, B, KV,
+        D], a layer's strided view of the pool; the slots as contiguous long tensors."""
         _, _, _, num_kv, head_dim = kv_layer.shape
         slots = (meta.slot_blocks, meta.slot_offsets)
         return (
             self.applies(k)
+            and self.applies(v)
             and self.applies_kv(kv_layer)
+            and k.stride() == v.stride()
             and k.stride()[1:] == (head_dim, 1)
             and kv_layer.stride()[2:] == (num_kv * head_dim, head_dim, 1)
             and all(t.dtype == torch.long and t.device.type == "cpu" and t.is_contiguous() for t in slots)
@@ -221,7 +223,7 @@ class CpuKernels:
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> None:
         """Row t of k and v into slot meta.slot_offsets[t] of block meta.slot_blocks[t], rounded
-        to the pool's dtype as torch rounds (`supports_write_kv` holds for k and for v)."""
+        to the pool's dtype as torch rounds (where `supports_write_kv` holds)."""
         num_rows, num_kv, head_dim = k.shape
         self._write_kv(
             k.data_ptr(), v.data_ptr(), k.stride(0), kv_layer.data_ptr(), is_bf16(kv_layer), kv_layer.stride(0),
