@@ -172,18 +172,21 @@ class CpuKernels:
     # ------------------------------------------------------------ small-batch matmul
 
     def pack_panels(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """weight [N, K] as the matmul kernel reads it, [N / 16, K, 16]; None where the kernel
-        is not built or does not take this weight (N not a multiple of 16)."""
+        """weight [N, K] as the matmul kernel reads it: pairs of 16-column panels interleaved,
+        [N / 32, K, 32], then an odd last panel [K, 16], flat; None where the kernel is not built
+        or does not take this weight (N not a multiple of 16)."""
         if self._linear is None or not self.applies(weight) or weight.shape[0] % self.panel:
             return None
         num_out, num_in = weight.shape
-        return weight.reshape(num_out // self.panel, self.panel, num_in).transpose(1, 2).contiguous()
+        paired = num_out // (2 * self.panel) * 2 * self.panel
+        pairs = weight[:paired].reshape(-1, 2 * self.panel, num_in).transpose(1, 2)
+        return torch.cat([pairs.reshape(-1), weight[paired:].t().reshape(-1)])
 
     def linear(
         self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
     ) -> torch.Tensor:
         """x [M, K] (rows contiguous) . W^T (+ bias) -> [M, N], W packed by `pack_panels`."""
-        return _linear(self._linear, x, panels, panels.shape[0] * self.panel, bias, threads)
+        return _linear(self._linear, x, panels, panels.numel() // x.shape[1], bias, threads)
 
     # ------------------------------------------------------------ prefill matmul (AMX, bf16x3)
 

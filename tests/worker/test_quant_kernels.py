@@ -83,6 +83,32 @@ def test_both_paths_compute_the_same_sums(kind):
     torch.testing.assert_close(fast, portable, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("rows", [0, 1, 4, 5, 12, 13, 30])
+@pytest.mark.parametrize(("num_out", "num_in"), [(48, 96), (64, 320)])
+def test_bf16_matmul_matches_the_rounded_product(rows, num_out, num_in, portable):
+    """bfloat16 matrices (csrc/bf16_matmul.c) on AVX512-BF16 and on the portable loop: each row
+    rounded to bfloat16 times the bfloat16 weights, products exact in float32, so only the order
+    of the sums differs from the reference. An odd number of panels (48 columns: a pair and one
+    alone), row counts of one and two accumulation chains, a short last row group, a bias."""
+    if not cpu_quant.bf16_fast():
+        pytest.skip("this CPU has no AVX512-BF16 (the worker then keeps float32)")
+    gen = torch.Generator().manual_seed(rows + num_out)
+    weight = QuantWeight.quantize(torch.randn(num_out, num_in, generator=gen), "bf16")
+    packed = cpu_quant.pack(weight)
+    x = torch.randn(rows, num_in + 32, generator=gen)[:, 16 : 16 + num_in]  # rows further apart
+    bias = torch.randn(num_out, generator=gen)
+    want = x.bfloat16().double() @ weight.dequantize().double().T + bias.double()
+    native = cpu_kernels.kernels().lib
+    assert native.bf16_matmul_path(int(portable)) == (not portable)
+    try:
+        got = cpu_quant.linear(x, packed, bias)
+    finally:
+        native.bf16_matmul_path(0)
+    assert got.shape == (rows, num_out)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_pack_refuses_what_the_kernel_cannot_take():
     weight = QuantWeight.quantize(torch.randn(40, 64), "q8_0")  # 40 output rows: not whole panels
     assert cpu_quant.pack(weight) is None

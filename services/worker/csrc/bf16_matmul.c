@@ -1,12 +1,14 @@
 /* Matmul with bfloat16 weights, float32 activations and output: y[M, N] = x[M, K] . W^T (+ bias).
  *
- * W is packed once in panels of 16 output columns, [N / 16][K / 2][16][2] bfloat16: per pair of
- * inputs, the 16 columns' two weights side by side, which is vdpbf16ps's operand (AVX512-BF16:
- * 32 products an instruction, summed in pairs into 16 float32 lanes). Each row of x is rounded
- * to bfloat16 once per call (round to nearest even, as vLLM's bfloat16 activations are) and a
- * pair of its values, read as one 32-bit word, is the broadcast partner. A work item is two
- * panels (32 columns) by up to BF_ROWS rows, accumulators in registers; half the bytes of the
- * float32 panels, so a decode step's weight read takes half as long.
+ * W is packed once in panels of 16 output columns, per pair of inputs the 16 columns' two
+ * weights side by side (64 bytes), which is vdpbf16ps's operand (AVX512-BF16: 32 products an
+ * instruction, summed in pairs into 16 float32 lanes); two panels interleaved per pair of inputs,
+ * [N / 32][K / 2][2 panels][16][2], and an odd last panel [K / 2][16][2], so that a work item
+ * reads its weights in one stream (matmul.c says why). Each row of x is rounded to bfloat16 once
+ * per call (round to nearest even, as vLLM's bfloat16 activations are) and a pair of its values,
+ * read as one 32-bit word, is the broadcast partner. A work item is two panels (32 columns) by
+ * up to BF_ROWS rows, accumulators in registers; half the bytes of the float32 panels, so a
+ * decode step's weight read takes half as long.
  *
  * The AVX512-BF16 path is chosen at run time (cpuid); elsewhere a portable C loop does the same
  * products in float32 (slowly: the worker then keeps its float32 layouts).
@@ -14,7 +16,6 @@
 #include "kernels.h"
 
 #define BF_ROWS 12
-#define BF_PREFETCH 16 /* pairs (64-byte lines of a panel) ahead */
 
 static int bf16_force_portable = 0;
 
@@ -31,12 +32,13 @@ static inline float from_bf16(uint16_t h) {
     return f;
 }
 
-static void panel_bf16_portable(const uint16_t *xb, int64_t K, const uint16_t *w, const float *bias, float *y,
-                                int64_t ldy, int64_t M) {
+/* Rows [0, M) of one panel whose pairs of inputs lie `stride` elements apart. */
+static void panel_bf16_portable(const uint16_t *xb, int64_t K, const uint16_t *w, int64_t stride, const float *bias,
+                                float *y, int64_t ldy, int64_t M) {
     for (int64_t r = 0; r < M; r++)
         for (int c = 0; c < PANEL; c++) {
             float s = bias ? bias[c] : 0.0f;
-            for (int64_t k = 0; k < K; k++) s += from_bf16(xb[r * K + k]) * from_bf16(w[(k / 2) * 32 + c * 2 + k % 2]);
+            for (int64_t k = 0; k < K; k++) s += from_bf16(xb[r * K + k]) * from_bf16(w[(k / 2) * stride + c * 2 + k % 2]);
             y[r * ldy + c] = s;
         }
 }
@@ -51,28 +53,23 @@ static void panel_bf16_portable(const uint16_t *xb, int64_t K, const uint16_t *w
 static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *xb, int64_t K, const uint16_t *w0,
                                                            const float *bias, float *y, int64_t ldy, const int M,
                                                            const int P) {
-    const uint16_t *w1 = w0 + K * PANEL;
-    const int64_t pairs = K / 2;
+    const uint16_t *w1 = w0 + 2 * PANEL; /* P == 2: the second panel's 16 columns of each pair */
+    const int64_t pairs = K / 2, step = P * 2 * PANEL;
     const uint32_t *x2 = (const uint32_t *)xb;
     __m512 a0[BF_ROWS], a1[BF_ROWS], c0[BF_ROWS], c1[BF_ROWS];
     for (int r = 0; r < M; r++) a0[r] = a1[r] = c0[r] = c1[r] = _mm512_setzero_ps();
     const int two_chains = M <= 4;
-    for (int64_t j = 0; j < pairs; j += 1 + two_chains) {
-        /* every line of each panel, BF_PREFETCH lines ahead (a step of two chains reads two) */
-        for (int64_t i = j; i <= j + two_chains; i++) {
-            _mm_prefetch((const char *)(w0 + (i + BF_PREFETCH) * 32), _MM_HINT_T0);
-            if (P == 2) _mm_prefetch((const char *)(w1 + (i + BF_PREFETCH) * 32), _MM_HINT_T0);
-        }
-        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + j * 32);
-        const __m512bh v1 = (__m512bh)(P == 2 ? _mm512_loadu_si512(w1 + j * 32) : _mm512_setzero_si512());
+    for (int64_t j = 0; j < pairs; j += 1 + two_chains) { /* no software prefetch: one stream (matmul.c) */
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + j * step);
+        const __m512bh v1 = (__m512bh)(P == 2 ? _mm512_loadu_si512(w1 + j * step) : _mm512_setzero_si512());
         for (int r = 0; r < M; r++) {
             const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x2[r * pairs + j]);
             a0[r] = _mm512_dpbf16_ps(a0[r], v0, xv);
             if (P == 2) a1[r] = _mm512_dpbf16_ps(a1[r], v1, xv);
         }
         if (two_chains) {
-            const __m512bh u0 = (__m512bh)_mm512_loadu_si512(w0 + (j + 1) * 32);
-            const __m512bh u1 = (__m512bh)(P == 2 ? _mm512_loadu_si512(w1 + (j + 1) * 32) : _mm512_setzero_si512());
+            const __m512bh u0 = (__m512bh)_mm512_loadu_si512(w0 + (j + 1) * step);
+            const __m512bh u1 = (__m512bh)(P == 2 ? _mm512_loadu_si512(w1 + (j + 1) * step) : _mm512_setzero_si512());
             for (int r = 0; r < M; r++) {
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x2[r * pairs + j + 1]);
                 c0[r] = _mm512_dpbf16_ps(c0[r], u0, xv);
@@ -126,12 +123,17 @@ int bf16_matmul_path(int portable) {
     return !bf16_force_portable && have_bf16();
 }
 
-/* w: [N, K] float32 -> out: [N / 16][K / 2][16][2] bfloat16 (N % 16 == K % 2 == 0). */
+/* w: [N, K] float32 -> out: [N / 32][K / 2][32][2] bfloat16, then an odd last panel [K / 2][16][2]
+ * (N % 16 == K % 2 == 0). */
 void pack_bf16_panels(const float *w, int64_t N, int64_t K, uint16_t *out) {
+    const int64_t num_panels = N / PANEL;
 #pragma omp parallel for
-    for (int64_t p = 0; p < N / PANEL; p++)
+    for (int64_t p = 0; p < num_panels; p++) {
+        const int64_t width = p / 2 * 2 + 1 < num_panels ? 2 * PANEL : PANEL; /* columns per pair of inputs */
+        uint16_t *o = out + (p - p % 2) * K * PANEL + (p % 2) * PANEL * 2;
         for (int64_t k = 0; k < K; k++)
-            for (int c = 0; c < PANEL; c++) out[p * K * PANEL + (k / 2) * 32 + c * 2 + k % 2] = to_bf16(w[(p * PANEL + c) * K + k]);
+            for (int c = 0; c < PANEL; c++) o[(k / 2) * width * 2 + c * 2 + k % 2] = to_bf16(w[(p * PANEL + c) * K + k]);
+    }
 }
 
 /* x: [M, K] rows ldx apart; w: packed by pack_bf16_panels; bias: [N] or NULL; y: [M, N] rows ldy
@@ -164,7 +166,8 @@ int linear_bf16(const float *x, int64_t ldx, const uint16_t *w, const float *bia
                 if (fast) tile_bf16_rows(xb + m0 * K, K, wp, bp, yp, ldy, rows, P);
                 else
                     for (int q = 0; q < P; q++)
-                        panel_bf16_portable(xb + m0 * K, K, wp + q * K * PANEL, bp ? bp + q * PANEL : 0, yp + q * PANEL, ldy, rows);
+                        panel_bf16_portable(xb + m0 * K, K, wp + q * 2 * PANEL, P * 2 * PANEL, bp ? bp + q * PANEL : 0,
+                                            yp + q * PANEL, ldy, rows);
             }
     }
     free(xb);
