@@ -48,7 +48,10 @@ class Linear(nn.Module):
     step, panels / bf16x3 / oneDNN / [in, out] (`superinfer bench matmul`,
     bench/results/matmul_cpu.json): 1 row 20.9 / 22.2 / 28.0 / 19.0, 8 rows 23.8 / 23.8 / 35.3 /
     41.5, 16 rows 34.5 / 26.8 / 44.1 / 52.1, 64 rows 75.9 / 50.3 / 92.1 / 91.0, 512 rows
-    540.1 / 319.8 / 507.7 / 506.4. The price is a second copy of every weight in host memory.
+    540.1 / 319.8 / 507.7 / 506.4. Since the panels' pairs were interleaved (one stream a tile),
+    on a machine without AMX, panels / oneDNN / [in, out]: 1 row 14.9 / 24.4 / 27.9, 8 rows
+    15.2 / 23.1 / 53.1, 64 rows 73.9 / 80.9 / 123.0 (bench/results/matmul_cpu_pairs.json). The
+    price is a second copy of every weight in host memory.
     """
 
     PANEL_MAX_ROWS = 128
