@@ -9,10 +9,10 @@
  * and it reads its 128 bytes per input in address order, one stream. (Two panels K * 64 bytes
  * apart are two streams a tile, which the hardware prefetchers restart every tile: one row over
  * matrices of SmolLM2-135M's shapes, far larger than the caches in all, streamed at 74-87% of a
- * plain read's rate that way, 1 and 2 threads, and at 95-100% of it this way.) So the weights are read from memory once per row group (once per step up to
- * 12 rows; later groups find them in L2), and decode at a few rows is bound by that read. Built
- * only where the compiler targets AVX-512; elsewhere the symbol is absent and the worker keeps
- * its other layouts. */
+ * plain read's rate that way, 1 and 2 threads, and at 95-100% of it this way.) So the weights
+ * are read from memory once per row group (once per step up to 12 rows; later groups find them
+ * in L2), and decode at a few rows is bound by that read. Built only where the compiler targets
+ * AVX-512; elsewhere the symbol is absent and the worker keeps its other layouts. */
 #ifdef __AVX512F__
 #include <immintrin.h>
 
