@@ -55,7 +55,9 @@ class CpuKernels:
         # Absent where the compiler does not target AVX-512 (csrc: paged prefill attention).
         prefill = getattr(lib, "paged_prefill_attention_f32", None)
         self._prefill = prefill and _bind(prefill, [_ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _i64, _i64, _ptr]
-                                          + [_i64] * 4 + [f, c_int])  # fmt: skip
+                                          + [_i64] * 4 + [f, c_int, c_int])  # fmt: skip
+        # Over a bfloat16 pool its products on vdpbf16ps, where the compiler targets AVX512-BF16.
+        self.prefill_bf16 = bool(prefill) and bool(lib.prefill_bf16_products())
         self._add_rms_norm = _bind(lib.add_rms_norm_f32, [_ptr, _ptr, _ptr, f, _ptr, _i64, _i64, c_int])
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
@@ -130,11 +132,15 @@ class CpuKernels:
         )
 
     def prefill_attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor, num_cached: int
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor, num_cached: int,
+        bf16_products: bool = True,
+    ) -> torch.Tensor:  # fmt: skip
         """Causal attention of one prefill chunk over its request's keys in the pool (its own
         already written). q: [n, H, D], the queries of positions num_cached .. num_cached + n - 1;
-        block_ids: [blocks] long, covering them. Returns [n, H, D]."""
+        block_ids: [blocks] long, covering them. Returns [n, H, D]. Over a bfloat16 pool, where
+        `prefill_bf16` and `bf16_products`, Q and the softmax's P are rounded to bfloat16 and both
+        products run on vdpbf16ps (half the instructions, float32 sums, as a bfloat16 model
+        computes them); otherwise in float32, the same to the bit over either pool."""
         q_len, num_heads, head_dim = q.shape
         _, _, block_size, num_kv, _ = kv_layer.shape
         out = torch.empty((q_len, num_heads, head_dim), dtype=q.dtype)
@@ -143,7 +149,7 @@ class CpuKernels:
             kv_layer.data_ptr(), is_bf16(kv_layer), kv_layer.stride(0), kv_layer.stride(1),
             block_ids.data_ptr(), num_cached, q_len, out.data_ptr(),
             num_heads, num_kv, head_dim, block_size,
-            head_dim**-0.5, _threads(),
+            head_dim**-0.5, int(bf16_products), _threads(),
         )  # fmt: skip
         return out
 

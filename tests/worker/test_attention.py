@@ -69,10 +69,16 @@ def test_mixed_step_matches_dense(seed, kv_dtype, native_path):
 
     assert meta.num_decodes == 4 and len(meta.prefills) == 2
     assert not torch.isnan(out).any()
+    native = cpu_kernels.kernels()
+    bf16_products = kv_dtype == torch.bfloat16 and native is not None and native.prefill_bf16
     row = 0
     for k, v, c, n in zip(stored_k, stored_v, cached, new):
-        want = dense_attention(q[row : row + n], k, v, c)
-        torch.testing.assert_close(out[row : row + n], want, atol=1e-5, rtol=1e-5)
+        if n > 1 and bf16_products:  # a prefill over a bfloat16 pool: Q and P rounded to bfloat16
+            want = dense_attention(q[row : row + n].to(torch.bfloat16).float(), k, v, c)
+            torch.testing.assert_close(out[row : row + n], want, atol=1e-2, rtol=1e-2)
+        else:
+            want = dense_attention(q[row : row + n], k, v, c)
+            torch.testing.assert_close(out[row : row + n], want, atol=1e-5, rtol=1e-5)
         row += n
     assert torch.isnan(pool[:, 0]).all(), "another layer was written"
 
@@ -208,5 +214,41 @@ def test_cpu_kernels_read_a_bfloat16_pool_exactly(head_dim):
         q = torch.randn(70, num_heads, head_dim, generator=gen)
         (seg,) = build_metadata([37], [70], [tables[-1][:7]], block_size, "cpu").prefills
         assert native.supports_prefill(q, pool[:, 0])
-        got = native.prefill_attention(q, pool[:, 0], seg.block_ids, 37)
+        got = native.prefill_attention(q, pool[:, 0], seg.block_ids, 37, bf16_products=False)
         assert torch.equal(got, native.prefill_attention(q, wide[:, 0], seg.block_ids, 37))
+
+
+@pytest.mark.parametrize(
+    "block_size, num_kv, group, head_dim, cached, q_len",
+    [
+        (16, 3, 3, 64, 0, 512),  # SmolLM2, a whole prompt
+        (16, 3, 3, 64, 37, 70),  # chunks of odd length (keys 32-36, 37-47): a key paired with zero
+        (64, 8, 5, 128, 100, 9),  # Qwen2.5-32B's groups
+        (4, 2, 1, 40, 5, 50),  # a head of 40: the values' last 8 elements a masked group
+    ],
+)
+def test_prefill_over_a_bfloat16_pool_on_bf16_products(block_size, num_kv, group, head_dim, cached, q_len):
+    """Over a bfloat16 pool the prefill kernel multiplies in bfloat16 (vdpbf16ps): its output is
+    causal attention over the pool's keys and values with the queries rounded to bfloat16, to the
+    rounding of the softmax's probabilities (float64 reference)."""
+    native = cpu_kernels.kernels()
+    if not native.prefill_bf16:
+        pytest.skip("no AVX512-BF16 here: a bfloat16 pool's prefill runs in float32")
+    gen = torch.Generator().manual_seed(q_len + head_dim)
+    num_heads, total = num_kv * group, cached + q_len
+    table = torch.randperm(64, generator=gen)[: -(-total // block_size)].tolist()
+    layer = torch.randn(64, 2, 2, block_size, num_kv, head_dim, generator=gen).to(torch.bfloat16)[:, 1]
+    meta = build_metadata([cached], [q_len], [table], block_size, "cpu")
+    qkv = torch.randn(q_len, num_heads + 2 * num_kv, head_dim, generator=gen)
+    q, k, v = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv], qkv[:, num_heads + num_kv :]
+    write_kv(layer, k, v, meta)
+    (seg,) = meta.prefills
+    got = native.prefill_attention(q, layer, seg.block_ids, cached)
+    keys, values = (layer[seg.block_ids, side].flatten(0, 1)[:total].double() for side in (0, 1))  # [total, KV, D]
+    scores = torch.einsum("qhd,khd->hqk", q.to(torch.bfloat16).double(), keys.repeat_interleave(group, 1))
+    late = torch.arange(total)[None, :] > cached + torch.arange(q_len)[:, None]
+    probs = (scores * head_dim**-0.5).masked_fill(late, -torch.inf).softmax(-1)
+    want = torch.einsum("hqk,khd->qhd", probs, values.repeat_interleave(group, 1))
+    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
+    exact = native.prefill_attention(q, layer, seg.block_ids, cached, bf16_products=False)
+    assert not torch.equal(got, exact)  # the products did run in bfloat16
