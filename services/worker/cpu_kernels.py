@@ -259,18 +259,20 @@ class CpuKernels:
 
 
 def _linear(
-    kernel, x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None, threads: int | None = None
-) -> torch.Tensor:
+    kernel, x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None, threads: int | None = None,
+    out_cols: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """y = x . W^T (+ bias) through a native matmul taking (x, ldx, W, bias, y, ldy, M, N, K,
     threads), on `threads` threads (default torch's; the result is the same on any count); a
-    kernel that returns nonzero could not allocate its scratch."""
+    kernel that returns nonzero could not allocate its scratch. y has `out_cols` columns where
+    the kernel writes fewer than W's N rows (default N)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_rows, num_in = x.shape
-    y = x.new_empty((num_rows, num_out))
+    y = x.new_empty((num_rows, out_cols or num_out))
     b = 0 if bias is None else bias.data_ptr()
     failed = kernel(
-        x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), num_out,
+        x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), y.shape[1],
         num_rows, num_out, num_in, threads or _threads(),
     )  # fmt: skip
     if failed:

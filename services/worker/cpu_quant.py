@@ -81,19 +81,25 @@ def cat(parts: list[QuantWeight]) -> QuantWeight:
 
 @dataclass
 class PackedQuant:
-    """A weight in the kernel's panels: data [N / 16 * K / 32 * bytes per panel-block] uint8."""
+    """A weight in the kernel's panels: data [N / 16 * K / 32 * bytes per panel-block] uint8.
+    gated: an MLP's gate and up rows packed for linear_bf16_gated (silu(gate) * up, N / 2 columns)."""
 
     kind: str
     data: torch.Tensor
     num_out: int
     num_in: int
+    gated: bool = False
 
 
-def pack(weight: QuantWeight) -> PackedQuant | None:
-    """`weight` in the native kernel's layout; None where the kernels are not built or N % 16."""
+def pack(weight: QuantWeight, gated: bool = False) -> PackedQuant | None:
+    """`weight` in the native kernel's layout; None where the kernels are not built or N % 16.
+    gated: `weight` is an MLP's gate rows then its up rows ([2I, K]), packed for the matmul that
+    returns silu(gate) * up (bf16 only, I a multiple of 16; None elsewhere)."""
     native = cpu_kernels.kernels()
     num_out, num_in = weight.shape
     if native is None or num_out % native.panel or num_in % BLOCK:
+        return None
+    if gated and (weight.kind != "bf16" or num_out % (2 * native.panel)):
         return None
     if weight.kind == "bf16":
         if not bf16_fast():
@@ -102,8 +108,10 @@ def pack(weight: QuantWeight) -> PackedQuant | None:
         fn = native.lib.pack_bf16_panels
         fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         dense = weight.dequantize()  # held until the call returns
+        if gated:
+            dense = pair_gate_up(dense)
         fn(dense.data_ptr(), num_out, num_in, data.data_ptr())
-        return PackedQuant("bf16", data, num_out, num_in)
+        return PackedQuant("bf16", data, num_out, num_in, gated)
     panels, blocks = num_out // 16, num_in // BLOCK
     blk = weight.raw.numpy().reshape(num_out, blocks, _BLOCK_BYTES[weight.kind])
     d = blk[..., 0:2].copy().view(np.float16)[..., 0]  # [N, blocks]
@@ -123,6 +131,13 @@ def pack(weight: QuantWeight) -> PackedQuant | None:
     return PackedQuant(weight.kind, torch.from_numpy(data), num_out, num_in)
 
 
+def pair_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """[gate; up] rows (a weight's, or a bias's elements) in a gated pack's order: 16 gate rows,
+    the same 16 up rows, the next 16 gate rows, ...: each pair of panels one of each."""
+    panel = cpu_kernels.kernels().panel
+    return t.view(2, -1, panel, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
 def bf16_fast() -> bool:
     """Whether the bfloat16 matmul runs on AVX512-BF16 here (else it is not used)."""
     native = cpu_kernels.kernels()
@@ -132,14 +147,14 @@ def bf16_fast() -> bool:
 _KERNELS = {4: "linear_q4", 8: "linear_q8", 16: "linear_bf16"}  # by bits per weight
 
 
-def kernel_name(kind: str) -> str:
-    """The library's matmul for weights of `kind`."""
-    return _KERNELS[_BITS[kind]]
+def kernel_name(packed: PackedQuant) -> str:
+    """The library's matmul for `packed`."""
+    return _KERNELS[_BITS[packed.kind]] + ("_gated" if packed.gated else "")
 
 
 @functools.cache
-def _kernel(bits: int):
-    fn = getattr(cpu_kernels.kernels().lib, _KERNELS[bits])
+def _kernel(name: str):
+    fn = getattr(cpu_kernels.kernels().lib, name)
     _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]
@@ -147,8 +162,9 @@ def _kernel(bits: int):
 
 
 def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
-    """x [M, K] float32 (rows contiguous) . W^T (+ bias) -> [M, N] float32."""
-    return cpu_kernels._linear(_kernel(_BITS[packed.kind]), x, packed.data, packed.num_out, bias, threads)
+    """x [M, K] float32 (rows contiguous) . W^T (+ bias) -> [M, N] float32; gated: [M, N / 2] = silu(gate) * up."""
+    out_cols = packed.num_out // 2 if packed.gated else packed.num_out
+    return cpu_kernels._linear(_kernel(kernel_name(packed)), x, packed.data, packed.num_out, bias, threads, out_cols)
 
 
 def set_float_rows(rows: int) -> int:

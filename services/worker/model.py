@@ -52,18 +52,25 @@ class Linear(nn.Module):
     on a machine without AMX, panels / oneDNN / [in, out]: 1 row 14.9 / 24.4 / 27.9, 8 rows
     15.2 / 23.1 / 53.1, 64 rows 73.9 / 80.9 / 123.0 (bench/results/matmul_cpu_pairs.json). The
     price is a second copy of every weight in host memory.
+
+    `gated`: W is an MLP's gate rows then its up rows ([2I, in]) and the layer returns
+    silu(gate) * up, [T, I]: in the bfloat16 matmul's last step where that kernel runs (the
+    [T, 2I] product never stored), after the product elsewhere.
     """
 
     PANEL_MAX_ROWS = 128
     TILES_MIN_ROWS = 16
     GEMV_MAX_ROWS = 2
 
-    def __init__(self, weight: torch.Tensor | cpu_quant.QuantWeight, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor | cpu_quant.QuantWeight, bias: torch.Tensor | None, gated: bool = False):
         super().__init__()
         self.bias = None if bias is None else _param(bias)
+        self.gated = gated
         self.quant = None
         if isinstance(weight, cpu_quant.QuantWeight):
-            self.quant = cpu_quant.pack(weight)
+            self.quant = (gated and cpu_quant.pack(weight, gated=True)) or cpu_quant.pack(weight)
+            if self.quant is not None and self.quant.gated and bias is not None:
+                self.bias = _param(cpu_quant.pair_gate_up(bias))
             if self.quant is not None:
                 self.register_buffer("quant_data", self.quant.data)  # counted with the model's buffers
                 self.tiles = self.packed = self.panels = self.weight = None
@@ -78,8 +85,14 @@ class Linear(nn.Module):
         self.weight = _param(weight.t().contiguous()) if panels is None else None
 
     def forward(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        """x: [T, in] -> [T, out]; `threads` runs the quantized and panel kernels on that many
-        threads instead of torch's count (the same result)."""
+        """x: [T, in] -> [T, out] ([T, out / 2] where gated); `threads` runs the quantized and
+        panel kernels on that many threads instead of torch's count (the same result)."""
+        if self.quant is not None and self.quant.gated:
+            return cpu_quant.linear(x, self.quant, self.bias, threads)
+        y = self._product(x, threads)
+        return silu_and_mul(y) if self.gated else y
+
+    def _product(self, x: torch.Tensor, threads: int | None) -> torch.Tensor:
         rows = x.shape[0]
         if self.quant is not None:
             return cpu_quant.linear(x, self.quant, self.bias, threads)
@@ -108,11 +121,12 @@ class Linear(nn.Module):
 
     def native(self, rows: int) -> tuple[int, int, int, int] | None:
         """The native matmul `forward` runs for `rows` rows, for a native caller (fused_decode.py):
-        (kernel address, 1 where it returns a status, weight address, bias address or 0); None
-        where `forward` runs a torch op."""
+        (kernel address, flags: 1 where it returns a status, 2 where it writes silu(gate) * up,
+        weight address, bias address or 0); None where `forward` runs a torch op."""
         bias = 0 if self.bias is None else self.bias.data_ptr()
         if self.quant is not None:
-            return cpu_kernels.kernels().address(cpu_quant.kernel_name(self.quant.kind)), 1, self.quant.data.data_ptr(), bias
+            address = cpu_kernels.kernels().address(cpu_quant.kernel_name(self.quant))
+            return address, 1 | (2 if self.quant.gated else 0), self.quant.data.data_ptr(), bias
         if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
             return cpu_kernels.kernels().address("linear_amx_bf16x3"), 1, self.tiles.data_ptr(), bias
         if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
@@ -237,8 +251,8 @@ class DecoderLayer(nn.Module):
         bias = torch.cat([w[attn + p + "_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None
         self.qkv = Linear(_cat([w[attn + p + "_proj.weight"] for p in "qkv"]), bias)
         self.o_proj = Linear(w[attn + "o_proj.weight"], None)  # [T, H * D] -> [T, hidden]
-        # [T, hidden] -> [T, 2 * I]: gate columns, then up columns.
-        self.gate_up = Linear(_cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]), None)
+        # [T, hidden] -> [T, I] = silu(gate) * up, from one matmul of the gate rows then the up rows.
+        self.gate_up = Linear(_cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]), None, gated=True)
         self.down = Linear(w[mlp + "down_proj.weight"], None)  # [T, I] -> [T, hidden]
 
     def forward(
@@ -263,7 +277,7 @@ class DecoderLayer(nn.Module):
         return self._reduce(self.o_proj(out.view(num_tokens, -1)))  # [T, hidden]
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self._reduce(self.down(silu_and_mul(self.gate_up(h))))  # [T, hidden]
+        return self._reduce(self.down(self.gate_up(h)))  # [T, hidden]
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """partial: [T, hidden], this rank's share of the sum; the sum over ranks."""

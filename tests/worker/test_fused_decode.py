@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from services.worker import cpu_kernels, fused_decode
+from services.worker import cpu_kernels, cpu_quant, fused_decode
 from services.worker.attention import build_metadata
 from services.worker.model import LlamaModel
 from services.worker.runner import allocate_kv_pool
@@ -57,16 +57,27 @@ def _steps(
     return torch.stack(logits), pool
 
 
+@pytest.fixture(scope="module")
+def bf16_model(model_path, cfg):
+    if not cpu_quant.bf16_fast():
+        pytest.skip("this CPU has no AVX512-BF16 (bfloat16 matrices are not served here)")
+    model = LlamaModel(cfg, load_weights(model_path, cfg, "bf16")).eval()
+    assert model.layers[0].gate_up.quant.gated  # silu(gate) * up inside the matmul
+    return model
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["gguf", "float32", "gguf, bfloat16 KV"])
+@pytest.mark.parametrize("which", ["gguf", "float32", "gguf, bfloat16 KV", "bf16, bfloat16 KV"])
 @pytest.mark.parametrize(
     "contexts, threads", [([37], 1), ([5, 130, 9], 2), ([3 + 2 * i for i in range(17)], 1)], ids=["1", "3", "17"]
 )
-def test_fused_decode_is_bit_identical(which, contexts, threads, gguf_model, model, cfg):
+def test_fused_decode_is_bit_identical(which, contexts, threads, gguf_model, model, cfg, request):
     """17 rows: float32's matmuls take the AMX tiles where the CPU has them, panels below 16.
     Two threads split the matmuls' panels and the attention's spans as layer by layer does. A
-    bfloat16 pool: the fused step rounds its K/V into it as torch's write does."""
-    m = model if which == "float32" else gguf_model
+    bfloat16 pool: the fused step rounds its K/V into it as torch's write does. bfloat16
+    matrices: gate and up's matmul writes silu(gate) * up in both."""
+    weights = which.split(",")[0]
+    m = {"float32": model, "gguf": gguf_model}.get(weights) or request.getfixturevalue("bf16_model")
     kv = torch.bfloat16 if "bfloat16" in which else torch.float32
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from services.worker import cpu_kernels, cpu_quant
+from services.worker import cpu_kernels, cpu_quant, model
 from services.worker.cpu_quant import QuantWeight
 from services.worker.weights import gguf_quantization, load_weights
 
@@ -107,6 +107,29 @@ def test_bf16_matmul_matches_the_rounded_product(rows, num_out, num_in, portable
         native.bf16_matmul_path(0)
     assert got.shape == (rows, num_out)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 13])
+def test_gated_bf16_matmul_is_silu_of_gate_times_up(rows, portable):
+    """An MLP's gate and up rows in one bfloat16 matmul that writes silu(gate) * up: what the plain
+    matmul and silu_and_mul give, to float32 rounding, the bias paired as the rows are."""
+    if not cpu_quant.bf16_fast():
+        pytest.skip("this CPU has no AVX512-BF16 (the worker then keeps float32)")
+    gen = torch.Generator().manual_seed(rows)
+    weight = QuantWeight.quantize(torch.randn(2 * 48, 64, generator=gen), "bf16")  # I = 48: three pairs
+    x, bias = torch.randn(rows, 64, generator=gen), torch.randn(2 * 48, generator=gen)
+    gated = model.Linear(weight, bias, gated=True)
+    assert gated.quant.gated
+    native = cpu_kernels.kernels().lib
+    assert native.bf16_matmul_path(int(portable)) == (not portable)
+    try:
+        got = gated(x)
+        want = model.silu_and_mul(cpu_quant.linear(x, cpu_quant.pack(weight), bias))
+    finally:
+        native.bf16_matmul_path(0)
+    assert got.shape == (rows, 48)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_pack_refuses_what_the_kernel_cannot_take():

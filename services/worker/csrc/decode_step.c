@@ -12,7 +12,7 @@
  *   rope on q and k, in place; k and v into their slots of the pool
  *   a    = decode attention(q)      [T, H D]       paged_decode_attention_f32
  *   x   += a . Wo^T; h = rms_norm(x) * post_norm   add_rms_norm_f32
- *   down = silu(h . Wg^T) * (h . Wu^T) . Wd^T
+ *   down = silu(h . Wg^T) * (h . Wu^T) . Wd^T     silu_and_mul_f32, or in gate_up's matmul (flag 2)
  * and x += down after the last layer. Each matmul is one of the library's linear kernels, named
  * per layer by its address (the kernel the layer-by-layer path would pick for T rows).
  */
@@ -38,16 +38,18 @@ typedef void (*linear_void_fn)(const float *, int64_t, const void *, const float
                                int64_t, int64_t, int);
 
 /* Words per layer descriptor: in_norm, post_norm, then per matmul (qkv, o, gate_up, down) its
- * kernel's address, 1 where the kernel returns a status (else void), the packed weight, the bias
- * (0: none). */
+ * kernel's address, flags (1: the kernel returns a status, else void; 2: it writes silu(gate) * up,
+ * N / 2 columns), the packed weight, the bias (0: none). */
 #define LAYER_WORDS 18
 /* dims: T, hidden, H, KV, D, I, block_size, layer_stride, block_stride, side_stride, max_blocks,
  * kv_bf16 (the pool's strides in elements; 1 where they are bfloat16, else float32) */
 #define NUM_DIMS 12
 
 static int matmul(const int64_t *lin, const float *x, float *y, int64_t M, int64_t N, int64_t K, int threads) {
-    if (lin[1]) return ((linear_status_fn)lin[0])(x, K, (const void *)lin[2], (const float *)lin[3], y, N, M, N, K, threads);
-    ((linear_void_fn)lin[0])(x, K, (const void *)lin[2], (const float *)lin[3], y, N, M, N, K, threads);
+    const int64_t ldy = lin[1] & 2 ? N / 2 : N;
+    if (lin[1] & 1)
+        return ((linear_status_fn)lin[0])(x, K, (const void *)lin[2], (const float *)lin[3], y, ldy, M, N, K, threads);
+    ((linear_void_fn)lin[0])(x, K, (const void *)lin[2], (const float *)lin[3], y, ldy, M, N, K, threads);
     return 0;
 }
 
@@ -81,8 +83,11 @@ int decode_layers_f32(const int64_t *layers, int64_t num_layers, const int64_t *
                                      ctx_lens, attn, T, H, KV, D, block_size, scale, span_threads, threads);
         failed |= matmul(w + 6, attn, out, T, n, H * D, threads);
         add_rms_norm_f32(x, out, (const float *)w[1], eps, h, T, n, threads);
-        failed |= matmul(w + 10, h, gu, T, 2 * I, n, threads);
-        silu_and_mul_f32(gu, act, T, I, threads);
+        if (w[11] & 2) failed |= matmul(w + 10, h, act, T, 2 * I, n, threads);
+        else {
+            failed |= matmul(w + 10, h, gu, T, 2 * I, n, threads);
+            silu_and_mul_f32(gu, act, T, I, threads);
+        }
         failed |= matmul(w + 14, act, out, T, n, I, threads);
     }
     if (!failed)

@@ -40,6 +40,14 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* silu(g) * u. sigmoid(g) from e = exp(-|g|) <= 1, so the vectorised exp serves both signs without
+ * overflow: 1 / (1 + e) for g >= 0, e / (1 + e) below (libm's expf, scalar, took 10x as long at
+ * prefill). silu_mul16: the same arithmetic on 16 lanes. */
+static inline float silu_mul(float g, float u) {
+    const float e = exp_nonpositive(g < 0.0f ? g : -g);
+    return g * ((g < 0.0f ? e : 1.0f) / (1.0f + e)) * u;
+}
+
 /* The chunk of keys at `pos` (at most CHUNK, within its block and before `end`): its first key's
  * offset, in elements, in the layer's view of the pool, and in *n how many keys it holds. */
 static inline int64_t chunk_at(int64_t block_stride, const int64_t *table, int64_t pos, int64_t end,
@@ -97,6 +105,13 @@ static inline __m512 exp16_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+    const __mmask16 neg = _mm512_cmplt_ps_mask(g, _mm512_setzero_ps());
+    const __m512 e = exp16_nonpositive(_mm512_min_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), g)));
+    const __m512 num = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), neg, e);
+    return _mm512_mul_ps(_mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e))), u);
 }
 
 /* 16 consecutive elements of a float32 or bfloat16 pool from element i, as float32. */
