@@ -191,29 +191,38 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+    invariant: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """Attention of every query row over its request's context; K/V already written.
 
     q: [T, H, D]; k, v: [T, KV, D] (this step's fresh keys, used directly by a prefill that
     starts at position 0, as the pool holds them); kv_layer: [num_blocks, 2, block_size, KV, D],
     of q's dtype or a narrower one. Returns [T, H, D].
+
+    invariant (on CPU with the native kernels): each row's result is a function of its own query
+    and keys alone, to the bit, whatever else the step holds: decodes run on fixed spans and a
+    prefill chunk's queries run as decode rows of the same kernel. A token recomputed after a
+    preemption then gets exactly the attention its decode got (models with int8 activations need
+    it: their rounding turns float differences into different tokens).
     """
     out = torch.empty_like(q)
     r = meta.num_decodes
     if r:
-        out[:r] = _decode_attention(q[:r], kv_layer, meta.decodes)
+        out[:r] = _decode_attention(q[:r], kv_layer, meta.decodes, invariant)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_layer, seg)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_layer, seg, invariant)
     return out
 
 
-def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch, invariant: bool = False
+) -> torch.Tensor:
     """All single-token queries: the native CPU kernel where it applies, else `_decode_sdpa`."""
     native = cpu_kernels.for_tensor(q)
     if native is not None and native.supports_decode(q, kv_layer):
-        return native.decode_attention(q, kv_layer, batch.block_ids, batch.context_lens)
+        return native.decode_attention(q, kv_layer, batch.block_ids, batch.context_lens, invariant)
     return _decode_sdpa(q, kv_layer, batch)
 
 
@@ -234,12 +243,17 @@ def _decode_sdpa(q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch) ->
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, seg: PrefillSegment
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, seg: PrefillSegment,
+    invariant: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """One chunk, causal; a chunk after cached tokens sees them all plus its own prefix. The
-    native CPU kernel reads every key from the pool; SDPA takes a first chunk's fresh K/V as
-    they are and gathers a later chunk's context."""
+    native CPU kernels read every key from the pool (invariant: the decode kernel, a row per
+    query); SDPA takes a first chunk's fresh K/V as they are and gathers a later chunk's context."""
     native = cpu_kernels.for_tensor(q)
+    if invariant and native is not None and native.supports_decode(q, kv_layer):
+        n = seg.q_len
+        positions = torch.arange(seg.num_cached + 1, seg.num_cached + n + 1)  # keys each query sees
+        return native.decode_attention(q, kv_layer, seg.block_ids.expand(n, -1).contiguous(), positions, True)
     if native is not None and native.supports_prefill(q, kv_layer):
         return native.prefill_attention(q, kv_layer, seg.block_ids, seg.num_cached)
     qh = q.transpose(0, 1)[None]  # [1, H, n, D]

@@ -50,8 +50,8 @@ class CpuKernels:
         # max_heads, max_head_dim, panel, pf_keys, pf_rows, amx_n, amx_k, qblock
         for name, value in zip(LIMITS, limits):
             setattr(self, name, value)
-        self._attention = _bind(lib.paged_decode_attention_f32, [_ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _i64,
-                                _ptr, _ptr] + [_i64] * 5 + [f, c_int])  # fmt: skip
+        self._attention = _bind(lib.paged_decode_attention_spans, [_ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _i64,
+                                _ptr, _ptr] + [_i64] * 5 + [f, c_int, c_int])  # fmt: skip
         # Absent where the compiler does not target AVX-512 (csrc: paged prefill attention).
         prefill = getattr(lib, "paged_prefill_attention_f32", None)
         self._prefill = prefill and _bind(prefill, [_ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _i64, _i64, _ptr]
@@ -103,11 +103,13 @@ class CpuKernels:
         )
 
     def decode_attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor, context_lens: torch.Tensor
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor, context_lens: torch.Tensor,
+        invariant: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """Decode attention over the pool without gathering the context. q: [R, H, D];
         block_ids: [R, max_blocks] long; context_lens: [R] long (keys per row, the new
-        token's included). Returns [R, H, D]."""
+        token's included). Returns [R, H, D]. invariant: each row's result depends on its own
+        query and keys alone, not on the other rows or the thread count (fixed spans)."""
         num_rows, num_heads, head_dim = q.shape
         _, _, block_size, num_kv, _ = kv_layer.shape
         out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype)
@@ -116,7 +118,7 @@ class CpuKernels:
             kv_layer.data_ptr(), is_bf16(kv_layer), kv_layer.stride(0), kv_layer.stride(1),
             block_ids.data_ptr(), block_ids.shape[1], context_lens.data_ptr(), out.data_ptr(),
             num_rows, num_heads, num_kv, head_dim, block_size,
-            head_dim**-0.5, _threads(),
+            head_dim**-0.5, 0 if invariant else _threads(), _threads(),
         )  # fmt: skip
         return out
 

@@ -46,9 +46,10 @@ def run(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv_p
         kv_pool.shape[3], kv_pool.stride(1), kv_pool.stride(0), kv_pool.stride(2), batch.block_ids.shape[1],
         cpu_kernels.is_bf16(kv_pool),
     )  # fmt: skip
-    span_threads = torch.get_num_threads()
+    torch_threads = torch.get_num_threads()
+    span_threads = 0 if first.batch_invariant else torch_threads  # as layer by layer (0: fixed spans)
     chooser = model.__dict__.setdefault("_decode_threads", ThreadChoice())
-    threads = chooser.pick(num_rows, span_threads)
+    threads = chooser.pick(num_rows, torch_threads)
     start = time.perf_counter()
     failed = _entry(native)(
         layers, len(model.layers), dims, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_pool.data_ptr(),

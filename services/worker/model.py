@@ -254,6 +254,11 @@ class DecoderLayer(nn.Module):
         # [T, hidden] -> [T, I] = silu(gate) * up, from one matmul of the gate rows then the up rows.
         self.gate_up = Linear(_cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]), None, gated=True)
         self.down = Linear(w[mlp + "down_proj.weight"], None)  # [T, I] -> [T, hidden]
+        # Matmuls that round their activations to int8 (cpu_quant.py) turn float differences into
+        # different tokens: their attention is batch-invariant (attention.paged_attention), so
+        # that a token recomputed after a preemption is the token decoded.
+        matmuls = (self.qkv, self.o_proj, self.gate_up, self.down)
+        self.batch_invariant = any(m.quant is not None and m.quant.kind in cpu_quant.FORMATS for m in matmuls)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata
@@ -273,7 +278,7 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, D], [T, KV, D]
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(kv_layer, k, v, meta)
-        out = paged_attention(q, k, v, kv_layer, meta)  # [T, H, D]
+        out = paged_attention(q, k, v, kv_layer, meta, self.batch_invariant)  # [T, H, D]
         return self._reduce(self.o_proj(out.view(num_tokens, -1)))  # [T, hidden]
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:

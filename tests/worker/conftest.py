@@ -81,13 +81,21 @@ def chat_prompts(tokenizer) -> list[list[int]]:
     return prompts
 
 
+@pytest.fixture(scope="session")
+def gguf_model(model_path, cfg):
+    """The bundled GGUF served as it is: its matrices packed, int8 activations."""
+    model = LlamaModel(cfg, load_weights(model_path, cfg, "gguf")).eval()
+    assert model.layers[0].qkv.quant is not None
+    return model
+
+
 @pytest.fixture
 def make_runner(model, cfg):
-    """A fresh runner over a fresh pool of `num_blocks` blocks."""
+    """A fresh runner over a fresh pool of `num_blocks` blocks (of `kv`), of `of` or the float32 model."""
 
-    def make(num_blocks: int = 256) -> ModelRunner:
-        pool = allocate_kv_pool(cfg, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
-        return ModelRunner(model, cfg, pool, BLOCK_SIZE, "cpu")
+    def make(num_blocks: int = 256, of: LlamaModel | None = None, kv: torch.dtype = torch.float32) -> ModelRunner:
+        pool = allocate_kv_pool(cfg, num_blocks, BLOCK_SIZE, kv, "cpu")
+        return ModelRunner(of or model, cfg, pool, BLOCK_SIZE, "cpu")
 
     return make
 

@@ -19,13 +19,6 @@ from .conftest import BLOCK_SIZE, blocks_for
 pytestmark = pytest.mark.skipif(cpu_kernels.kernels() is None, reason="no C compiler for the native kernels")
 
 
-@pytest.fixture(scope="module")
-def gguf_model(model_path, cfg):
-    model = LlamaModel(cfg, load_weights(model_path, cfg, "gguf")).eval()
-    assert model.layers[0].qkv.quant is not None
-    return model
-
-
 def _steps(
     model, cfg, contexts: list[int], num_steps: int, fused: bool, run_threads: int | None = None, kv=torch.float32
 ):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.worker import cpu_kernels, cpu_quant
+from services.worker.attention import build_metadata
 from services.worker.model import LlamaModel
 from services.worker.runner import ModelRunner, allocate_kv_pool
 from services.worker.weights import load_weights
@@ -50,3 +51,33 @@ def test_packed_model_answers_like_float32(packed_model, model, cfg, chat_prompt
         tokens.append(generate_together(runner, [greedy("hi", chat_prompts[1])], 16)[0])
     same = sum(a == b for a, b in zip(*tokens))
     assert same >= 12, tokens
+
+
+def test_gguf_logits_are_the_same_bits_however_a_token_is_computed(gguf_model, cfg, chat_prompts):
+    """int8 activations turn float differences into different tokens, so the GGUF served as it
+    is must not have any: a token's logits are the same bits computed in one prefill, in a
+    later chunk, decoded alone, or decoded beside another request (whose context changes how
+    the attention splits its work). This is what makes a token recomputed after a preemption
+    the token that was decoded (test_runner.py)."""
+    prompt, other = chat_prompts[3], chat_prompts[0]
+    n, half = len(prompt), len(prompt) // 2
+    table = list(range(-(-n // BLOCK_SIZE)))
+    other_table = list(range(len(table), len(table) + -(-(len(other) + n) // BLOCK_SIZE)))
+    pool = allocate_kv_pool(cfg, len(table) + len(other_table), BLOCK_SIZE, torch.bfloat16, "cpu")
+
+    def run(rows, pos, q_lens, cached, tables, sample):
+        meta = build_metadata(cached, q_lens, tables, BLOCK_SIZE, "cpu")
+        return gguf_model(torch.tensor(rows), torch.tensor(pos), meta, pool, torch.tensor(sample))
+
+    with torch.inference_mode():
+        whole = run(prompt, list(range(n)), [n], [0], [table], list(range(n)))  # [n, V]
+        chunks = run(prompt[half:], list(range(half, n)), [n - half], [half], [table], list(range(n - half)))
+        alone = [run([prompt[i]], [i], [1], [i], [table], [0])[0] for i in range(half, n)]
+        run(other, list(range(len(other))), [len(other)], [0], [other_table], [0])
+        beside = []
+        for i in range(half, n):  # the other request decodes in the same steps, its context growing
+            j = len(other) + i - half
+            beside.append(run([prompt[i], other[-1]], [i, j], [1, 1], [i, j], [table, other_table], [0, 1])[0])
+    assert torch.equal(chunks, whole[half:])
+    assert torch.equal(torch.stack(alone), whole[half:])
+    assert torch.equal(torch.stack(beside), whole[half:])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -23,11 +25,17 @@ class Blocks:
         return [self.free.pop() for _ in range(n)]
 
 
-def test_preempted_requests_recompute_to_identical_tokens(make_runner, chat_prompts):
+@pytest.mark.parametrize("which", ["float32", pytest.param("gguf", marks=pytest.mark.slow)])
+def test_preempted_requests_recompute_to_identical_tokens(which, make_runner, chat_prompts, request):
     """r0 is preempted mid-decode and recomputed in two chunks alongside the others'
     decodes; r2 is preempted mid-prefill. Their old blocks are poisoned with NaN. Every
-    request still produces exactly the tokens of an undisturbed run."""
+    request still produces exactly the tokens of an undisturbed run. The GGUF served as it is
+    (int8 activations, its KV in bfloat16, as `--dtype auto` serves it): its attention is
+    batch-invariant, so a recomputed token sees to the bit what its decode saw."""
     prompts = chat_prompts[1:4]
+    if which == "gguf":
+        gguf = request.getfixturevalue("gguf_model")
+        make_runner = functools.partial(make_runner, of=gguf, kv=torch.bfloat16)
     want = generate_together(make_runner(), [greedy(f"r{i}", p) for i, p in enumerate(prompts)], NUM_NEW)
 
     runner = make_runner()

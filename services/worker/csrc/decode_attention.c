@@ -205,37 +205,27 @@ static inline __attribute__((always_inline)) void attend_item(
                     block_size, scale, acc, mx, sm, bf);
 }
 
-void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
-                                  int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
-                                  int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
-                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                  float scale, int span_threads, int num_threads);
-
 /* q: [R, H, D] rows `q_row_stride` floats apart (heads contiguous); out: [R, H, D] contiguous.
  * kv: the layer's view of a float32 pool, or of a bfloat16 one where kv_bf16 (strides in elements).
- * block_ids: [R, max_blocks]; ctx_lens: [R] keys per request (the new token's included, >= 1). */
-void paged_decode_attention_f32(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
-                                int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
-                                int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
-                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                float scale, int num_threads) {
-    paged_decode_attention_spans(q, q_row_stride, kv, kv_bf16, block_stride, side_stride, block_ids, max_blocks,
-                                 ctx_lens, out, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
-                                 num_threads, num_threads);
-}
-
-/* The same, its spans cut for `span_threads` threads and run on `num_threads`: the result depends
- * on the first only, so a caller may run it on fewer threads than it was cut for. */
+ * block_ids: [R, max_blocks]; ctx_lens: [R] keys per request (the new token's included, >= 1).
+ * The spans are cut for `span_threads` threads and run on `num_threads`: the result depends on the
+ * first only, so a caller may run it on fewer threads than it was cut for. span_threads 0: spans of
+ * SPAN_MIN_KEYS whatever the batch, so each row's result depends on its own query and keys alone
+ * (batch-invariant: a query gets the same bits decoded alone, beside others, or as a row of a
+ * prefill chunk). */
 void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
                                   int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
                                   int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                   float scale, int span_threads, int num_threads) {
     /* Span length: whole blocks, about SPANS_PER_THREAD items per thread over the batch. */
-    int64_t total = 0;
-    for (int64_t r = 0; r < num_rows; r++) total += ctx_lens[r];
-    int64_t span = (total + (int64_t)span_threads * SPANS_PER_THREAD - 1) / ((int64_t)span_threads * SPANS_PER_THREAD);
-    span = span > SPAN_MIN_KEYS ? span : SPAN_MIN_KEYS;
+    int64_t span = SPAN_MIN_KEYS;
+    if (span_threads > 0) {
+        int64_t total = 0;
+        for (int64_t r = 0; r < num_rows; r++) total += ctx_lens[r];
+        const int64_t items = (int64_t)span_threads * SPANS_PER_THREAD, even = (total + items - 1) / items;
+        span = even > SPAN_MIN_KEYS ? even : SPAN_MIN_KEYS;
+    }
     span = (span + block_size - 1) / block_size * block_size;
 
     int64_t *first = malloc(sizeof(int64_t) * (num_rows + 1)); /* first item of each row */

@@ -10,7 +10,7 @@
  *   h    = rms_norm(x) * in_norm                 add_rms_norm_f32 (x += down of the layer before)
  *   qkv  = h . Wqkv^T (+ b)         [T, (H + 2 KV) D]
  *   rope on q and k, in place; k and v into their slots of the pool
- *   a    = decode attention(q)      [T, H D]       paged_decode_attention_f32
+ *   a    = decode attention(q)      [T, H D]       paged_decode_attention_spans
  *   x   += a . Wo^T; h = rms_norm(x) * post_norm   add_rms_norm_f32
  *   down = silu(h . Wg^T) * (h . Wu^T) . Wd^T     silu_and_mul_f32, or in gate_up's matmul (flag 2)
  * and x += down after the last layer. Each matmul is one of the library's linear kernels, named
@@ -56,7 +56,8 @@ static int matmul(const int64_t *lin, const float *x, float *y, int64_t M, int64
 /* x: [T, n] the residual stream (updated in place); cos, sin: [T, D / 2]; kv: the pool,
  * [blocks, layers, 2, block_size, KV, D] with the strides and element type in dims; slot_blocks, slot_offsets: [T];
  * block_ids: [T, max_blocks]; ctx_lens: [T]. Runs on `threads` threads; the attention's spans are
- * cut for `span_threads` (the layer-by-layer path's count), and nothing else depends on the count,
+ * cut for `span_threads` (the layer-by-layer path's count; 0: batch-invariant spans), and nothing
+ * else depends on the count,
  * so the result is the same on any number of threads. Returns 0, or -1 without memory for the scratch or
  * a matmul's own (the pool may then hold some of this step's K/V: a re-run writes them again). */
 int decode_layers_f32(const int64_t *layers, int64_t num_layers, const int64_t *dims, float *x, const float *cos,
