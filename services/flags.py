@@ -145,10 +145,11 @@ def worker_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16", "gguf", "q8_0", "q4_0", "q4_1"],
         default="auto",
-        help="weights (and KV cache, see --kv-cache-dtype): auto is bfloat16 on CUDA, float32 on CPU; gguf "
-        "serves a quantized GGUF's own format on CPU (its matrices kept packed, int8 activations: faster, "
-        "but greedy tokens may differ after a preemption's recompute); q8_0/q4_0/q4_1 quantize the "
-        "matrices at load (CPU; activations float32); bfloat16 on a CPU with AVX512-BF16: bfloat16 "
+        help="weights (and KV cache, see --kv-cache-dtype): auto is bfloat16 on CUDA; on CPU gguf for a "
+        "quantized GGUF where the int8 kernels run (AVX512-VNNI) and one rank holds the model, else float32; "
+        "gguf serves a quantized GGUF's own format on CPU (its matrices kept packed, int8 activations, "
+        "attention batch-invariant so that a recomputed token is the decoded one); q8_0/q4_0/q4_1 quantize "
+        "the matrices at load (CPU; activations float32); bfloat16 on a CPU with AVX512-BF16: bfloat16 "
         "matrices, float32 activations (default %(default)s)",
     )
     g.add_argument(

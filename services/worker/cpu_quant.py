@@ -138,6 +138,12 @@ def pair_gate_up(t: torch.Tensor) -> torch.Tensor:
     return t.view(2, -1, panel, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
+def quant_fast() -> bool:
+    """Whether the quantized matmul runs on AVX512-VNNI here (else on a slow portable loop)."""
+    native = cpu_kernels.kernels()
+    return native is not None and bool(native.lib.quant_matmul_path(0))
+
+
 def bf16_fast() -> bool:
     """Whether the bfloat16 matmul runs on AVX512-BF16 here (else it is not used)."""
     native = cpu_kernels.kernels()

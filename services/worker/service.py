@@ -183,19 +183,22 @@ def resolve_device(name: str) -> torch.device:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device, path: Path | None = None) -> torch.dtype | str:
-    """`--dtype`: auto is bfloat16 on CUDA (a 32B model's weights and KV fit), float32 on CPU.
-    "gguf" serves a quantized GGUF's own format (its Q8_0/Q4_0/Q4_1 matrices packed, int8
-    activations); it is not auto because greedy tokens then differ between a token decoded and
-    the same token recomputed after a preemption (activations rounded to int8 turn prefill's and
-    decode's float differences into near-tie flips), which the float types keep identical. A
-    quantization's name (q8_0, q4_0, q4_1) quantizes the matrices at load, all else float32.
-    bfloat16 on a CPU with AVX512-BF16 is "bf16": the matrices in bfloat16 (vdpbf16ps),
-    activations float32; elsewhere the whole model in bfloat16. The KV: resolve_kv_dtype."""
+def resolve_dtype(name: str, device: torch.device, path: Path | None = None, ranks: int = 1) -> torch.dtype | str:
+    """`--dtype`. auto: bfloat16 on CUDA (a 32B model's weights and KV fit); on a CPU, a quantized
+    GGUF as it is ("gguf", as llama.cpp serves the file) where the int8 kernels run (AVX512-VNNI)
+    and one rank holds the whole model, else float32. "gguf": the file's Q8_0/Q4_0/Q4_1 matrices
+    kept packed, int8 activations; their attention is batch-invariant, so a token recomputed
+    after a preemption is the token decoded (model.py). A quantization's name (q8_0, q4_0, q4_1)
+    quantizes the matrices at load, all else float32. bfloat16 on a CPU with AVX512-BF16 is
+    "bf16": the matrices in bfloat16 (vdpbf16ps), activations float32; elsewhere the whole model
+    in bfloat16. The KV: resolve_kv_dtype."""
+    quantized = device.type == "cpu" and path is not None and bool(gguf_quantization(path))
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return "gguf" if quantized and ranks == 1 and cpu_quant.quant_fast() else torch.float32
     if name == "gguf":
-        if device.type != "cpu" or path is None or not gguf_quantization(path):
+        if not quantized:
             raise ValueError("--dtype gguf serves a quantized GGUF file's own format, on a CPU worker")
         return "gguf"
     if name == "bfloat16" and device.type == "cpu" and cpu_quant.bf16_fast():
@@ -228,7 +231,7 @@ def build_worker(
     """Model, both KV pools, transfer engine and runner of one rank (the only one without
     `group`). Pool sizes are agreed over the group, so a block id means the same everywhere."""
     path = resolve_model_path(args.model)
-    weights = resolve_dtype(args.dtype, device, path)
+    weights = resolve_dtype(args.dtype, device, path, 1 if group is None else group.num_ranks)
     model, cfg = weights_cache.load_model(path, device, weights, group=group)
     spec = KVSpec.from_model(cfg, args.block_size, dtype=resolve_kv_dtype(args.kv_cache_dtype, weights))
     num_ranks = 1 if group is None else group.num_ranks

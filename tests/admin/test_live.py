@@ -235,11 +235,18 @@ def read_pty(master: int, proc: subprocess.Popen, shown: bytes, timeout: float =
 
 def test_abort_and_drain(live):
     results, threads = in_background(live, [poem(i) for i in range(3)], 100)
-    assert wait_for(lambda: len(live.queues()) == 3, timeout=30)
+    listed = []
+
+    def all_three_listed() -> bool:
+        listed[:] = live.queues()
+        return len(listed) == 3
+
+    assert wait_for(all_three_listed, timeout=30)
     # The victim: the one furthest from its end (two 113-token requests do not fit the pool at
     # once, so it waits behind the others), aborted at once: a fast machine finishes the rest
-    # within a few of these commands' cold starts.
-    rows = sorted(live.queues(), key=lambda row: row["num_output_tokens"])
+    # within a few of these commands' cold starts, so all three come from the one listing that
+    # showed them.
+    rows = sorted(listed, key=lambda row: row["num_output_tokens"])
     victim, others = rows[0]["request_id"], {row["request_id"] for row in rows[1:]}
     r = live.cli("abort", victim, "--admin-token", TOKEN)
     assert r.returncode == 0 and victim in r.stdout, r

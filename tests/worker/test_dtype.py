@@ -36,10 +36,13 @@ def test_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
     assert resolve_dtype("float32", torch.device("cuda", 0)) == torch.float32
 
 
-def test_auto_is_float32_on_cpu_and_gguf_serves_the_file_packed(model_path):
-    """The bundled Q4_1 file: float32 on CPU unless gguf asks for it packed, bfloat16 on CUDA; names of quantizations
-    pass through; bfloat16 on CPU is bfloat16 matrices where the CPU has vdpbf16ps."""
-    assert resolve_dtype("auto", torch.device("cpu"), model_path) == torch.float32  # recompute-identical
+def test_auto_serves_the_gguf_packed_on_cpu(model_path):
+    """The bundled Q4_1 file: served as it is on a CPU with the int8 kernels (one rank; float32
+    without them or under tensor parallelism), bfloat16 on CUDA; names of quantizations pass
+    through; bfloat16 on CPU is bfloat16 matrices where the CPU has vdpbf16ps."""
+    packed = "gguf" if cpu_quant.quant_fast() else torch.float32
+    assert resolve_dtype("auto", torch.device("cpu"), model_path) == packed
+    assert resolve_dtype("auto", torch.device("cpu"), model_path, ranks=2) == torch.float32
     assert resolve_dtype("gguf", torch.device("cpu"), model_path) == "gguf"
     with pytest.raises(ValueError, match="quantized GGUF"):
         resolve_dtype("gguf", torch.device("cpu"))

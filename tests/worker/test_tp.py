@@ -100,6 +100,7 @@ def start_worker(tmp_path: Path, num_ranks: int) -> tuple[subprocess.Popen, Fake
     log_path = tmp_path / f"worker-tp{num_ranks}.log"
     argv = [sys.executable, "-m", "services.cli", "worker", "--connect", addr, "--device", "cpu"]
     argv += ["--tp", str(num_ranks), "--hbm-blocks", str(NUM_HBM_BLOCKS), "--dram-gb", "0.05"]
+    argv += ["--dtype", "float32"]  # what auto serves under tensor parallelism; one rank would pack the GGUF
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
