@@ -23,6 +23,8 @@ forward; `AttentionMetadata` is everything they need, built once per step.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, fields
 
 import torch
@@ -67,6 +69,13 @@ class PrefillSegment:
     def to(self, device) -> PrefillSegment:
         mask = None if self.mask is None else _move(self.mask, device)
         return PrefillSegment(self.q_start, self.q_len, self.num_cached, _move(self.block_ids, device), mask)
+
+    @functools.cached_property
+    def as_decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunk's queries as decode rows (batch-invariant attention): each row's block table
+        [q_len, blocks] and the keys it sees [q_len]; built once a step, read by every layer."""
+        tables = self.block_ids.expand(self.q_len, -1).contiguous()
+        return tables, torch.arange(self.num_cached + 1, self.num_cached + self.q_len + 1)
 
 
 @dataclass
@@ -251,9 +260,7 @@ def _prefill_attention(
     query); SDPA takes a first chunk's fresh K/V as they are and gathers a later chunk's context."""
     native = cpu_kernels.for_tensor(q)
     if invariant and native is not None and native.supports_decode(q, kv_layer):
-        n = seg.q_len
-        positions = torch.arange(seg.num_cached + 1, seg.num_cached + n + 1)  # keys each query sees
-        return native.decode_attention(q, kv_layer, seg.block_ids.expand(n, -1).contiguous(), positions, True)
+        return native.decode_attention(q, kv_layer, *seg.as_decode_rows, invariant=True)
     if native is not None and native.supports_prefill(q, kv_layer):
         return native.prefill_attention(q, kv_layer, seg.block_ids, seg.num_cached)
     qh = q.transpose(0, 1)[None]  # [1, H, n, D]
