@@ -22,7 +22,8 @@
 /* keys per work item where the spans are batch-invariant: a 512-token prefill of SmolLM2 run as
  * decode rows, 30 layers, 146 ms of attention at 64 keys against 122 at 256 (medians of 5); a step
  * of 20 requests at 600 keys 34.0 against 27.7 ms, as fast as spans cut for the batch (27.8); one
- * request at 512 keys still two items, one per thread of this machine. */
+ * request at 512 keys still two items, one per thread of this machine. (Measured before the
+ * AVX-512 path scored 16 keys at a time; a span of 256 is now one run of it.) */
 #define SPAN_FIXED_KEYS 256
 #define SPANS_PER_THREAD 4 /* enough items that uneven contexts still balance */
 
@@ -96,94 +97,236 @@ static inline __attribute__((always_inline)) void attend_span(
 
 #ifdef __AVX512F__
 
-#define PASS_REGS 16 /* accumulator registers of one pass: its query heads x head_dim / 16 */
+#define PASS_HEADS 4    /* query heads per pass at most: head size 64 (2 at 128), their value sums in 16 registers */
+#define RUN_FLOATS 4096 /* scores held per run: RUN_FLOATS / heads keys a run, at most RUN_KEYS */
+#define RUN_KEYS 256
 
-/* attend_span for head_dim = 16 * V (V = 4 or 8, a compile-time constant), in registers. Per
- * chunk, the query heads that share a KV head go in passes of PASS_REGS / V heads: each key and
- * value is loaded once per pass for all of its heads, and the pass's accumulators stay in
- * registers through the chunk. The next chunk's lines are prefetched (into L2) a few per key
- * while this chunk computes, so the memory streams during the compute: issued all at once they
- * would queue behind the core's few outstanding misses and stall it (20 requests x 600 keys,
- * 30 layers: 43.7 ms with the loop above, 40.3 in registers, 35.8 with the spread prefetch;
- * with the keys in cache 16.2, 10.0 and 12.1 ms). */
+/* Lines still to prefetch into L2, from `at` on. */
+typedef struct {
+    const char *at;
+    int64_t left;
+} lines_t;
+
+static inline void prefetch_some(lines_t *p, int64_t k) {
+    for (; k > 0 && p->left > 0; k--, p->left--, p->at += 64) _mm_prefetch(p->at, _MM_HINT_T1);
+}
+
+/* Keys in the tile from key `at`: up to 16, within its block, before `end`, at most `room`. */
+static inline int64_t tile_len(int64_t at, int64_t end, int64_t block_size, int64_t room) {
+    int64_t k = block_size - at % block_size;
+    k = k < 16 ? k : 16;
+    k = k < end - at ? k : end - at;
+    return k < room ? k : room;
+}
+
+/* r[t] (16 lanes of 32 bits each, t < 16) -> r[e]: lane t holds what lane e of r[t] held. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* r[4a + b]: rows 4a..4a+3, elements b, b + 4, b + 8, b + 12 in its four 128-bit lanes */
+    for (int a = 0; a < 16; a += 4) {
+        r[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+        r[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+        r[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+        r[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+    }
+    for (int b = 0; b < 4; b++) {
+        const __m512i lo = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88), hi = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xdd);
+        const __m512i lo2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
+        const __m512i hi2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xdd);
+        t[b] = _mm512_shuffle_i32x4(lo, lo2, 0x88);
+        t[b + 8] = _mm512_shuffle_i32x4(lo, lo2, 0xdd);
+        t[b + 4] = _mm512_shuffle_i32x4(hi, hi2, 0x88);
+        t[b + 12] = _mm512_shuffle_i32x4(hi, hi2, 0xdd);
+    }
+    for (int e = 0; e < 16; e++) r[e] = t[e];
+}
+
+/* The scores of up to 16 keys (rows t < nt, `slot` elements apart from element k0 of the pool)
+ * for NH query heads of size D, with the keys, not the elements, in the lanes: a score is a sum of
+ * FMAs, with no horizontal sum per key. 16 keys' 32-bit words at a time are transposed in
+ * registers (a word: one float32 element, or a pair of bfloat16 ones, widened by a shift and a
+ * mask), and each transposed word is multiplied by its query element broadcast from memory. Even
+ * and odd elements sum apart, each in element order, then together: the same operations on either
+ * pool type, so the two give the same bits. Writes scale * key t's score for head j to
+ * s[j * stride + t0 + t] for every t < 16 (rows past nt score 0: a later tile overwrites them),
+ * and prefetches `per` lines of pf per word. */
+static inline __attribute__((always_inline)) void score_tile(const float *restrict q, const void *kv, int64_t k0,
+                                                             int64_t slot, int nt, const int NH, const int D,
+                                                             float scale, float *s, int64_t stride, int t0,
+                                                             lines_t *pf, int64_t per, const int bf) {
+    const int per_word = bf ? 2 : 1, words = D / per_word;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 even[PASS_HEADS], odd[PASS_HEADS];
+    for (int j = 0; j < NH; j++) even[j] = odd[j] = _mm512_setzero_ps();
+    for (int w0 = 0; w0 < words; w0 += 16) {
+        __m512i r[16];
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; t++)
+            r[t] = t < nt ? _mm512_loadu_si512(kv_addr(kv, k0 + t * slot + w0 * per_word, bf)) : _mm512_setzero_si512();
+        transpose16(r);
+#pragma GCC unroll 16
+        for (int e = 0; e < 16; e++) {
+            prefetch_some(pf, per);
+            const int i = (w0 + e) * per_word; /* the element (bfloat16: the first of the pair) */
+            if (bf) {
+                const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(r[e], 16));
+                const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(r[e], high));
+                for (int j = 0; j < NH; j++) {
+                    even[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * D + i]), lo, even[j]);
+                    odd[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * D + i + 1]), hi, odd[j]);
+                }
+            } else {
+                const __m512 x = _mm512_castsi512_ps(r[e]);
+                for (int j = 0; j < NH; j++) {
+                    if (i % 2 == 0) even[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * D + i]), x, even[j]);
+                    else odd[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * D + i]), x, odd[j]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < NH; j++)
+        _mm512_storeu_ps(s + j * stride + t0, _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_add_ps(even[j], odd[j])));
+}
+
+/* acc[j] += sum over the tile's keys t < nt of p[j * stride + t] * value t, for NH heads of size
+ * 16 V, the values `slot` elements apart from element v0. Over a bfloat16 pool each 32 elements of
+ * acc are held as their 16 even ones then their 16 odd ones (a shift and a mask widen them so),
+ * put back in order once the span is done. Prefetches `per` lines of pf per key. */
+static inline __attribute__((always_inline)) void value_tile(const float *p, int64_t stride, const void *kv,
+                                                             int64_t v0, int64_t slot, int nt, float *restrict acc,
+                                                             const int NH, const int V, lines_t *pf, int64_t per,
+                                                             const int bf) {
+    const int D = 16 * V;
+    __m512 a[PASS_HEADS][8], x[8];
+    for (int j = 0; j < NH; j++)
+        for (int d = 0; d < V; d++) a[j][d] = _mm512_loadu_ps(acc + j * D + 16 * d);
+    for (int t = 0; t < nt; t++) {
+        prefetch_some(pf, per);
+        const int64_t v = v0 + t * slot;
+        if (bf)
+            for (int d = 0; d < V; d += 2) {
+                const __m512i w = _mm512_loadu_si512(kv_addr(kv, v + 16 * d, bf));
+                x[d] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+                x[d + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+            }
+        else
+            for (int d = 0; d < V; d++) x[d] = _mm512_loadu_ps((const float *)kv + v + 16 * d);
+        for (int j = 0; j < NH; j++) {
+            const __m512 pj = _mm512_set1_ps(p[j * stride + t]);
+            for (int d = 0; d < V; d++) a[j][d] = _mm512_fmadd_ps(pj, x[d], a[j][d]);
+        }
+    }
+    for (int j = 0; j < NH; j++)
+        for (int d = 0; d < V; d++) _mm512_storeu_ps(acc + j * D + 16 * d, a[j][d]);
+}
+
+/* attend_span for head_dim = 16 * V (V = 4 or 8, a compile-time constant). The span goes in
+ * runs of up to RUN_KEYS keys, each cut into tiles of up to 16 keys within a block. A run is
+ * scored tile by tile, every head (score_tile, the query heads that share a KV head in passes of
+ * up to PASS_HEADS), then one softmax step per head over the whole run (a running max and sum
+ * across runs), then its values are summed tile by tile, every head (value_tile). One softmax step
+ * a run, not a block: its max, exp and rescale are a chain of dependent steps per head, which once
+ * per 16 keys took most of the time (512 keys, one thread: ~27 of 30 us a layer). Tile by tile,
+ * every head, reads each tile's keys (then values) in address order; the next tile's lines are
+ * prefetched into L2 a few per word or key while this one computes, so the memory streams during
+ * the compute: issued all at once they would queue behind the core's few outstanding misses. */
 static inline __attribute__((always_inline)) void attend_span_avx512(
     const float *restrict q, const void *kv, int64_t block_stride, int64_t side_stride, const int64_t *table,
     int64_t start, int64_t end, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale,
     float *restrict acc, float *restrict mx, float *restrict sm, const int V, const int bf) {
     const int64_t D = 16 * V, group = num_heads / num_kv_heads, slot = num_kv_heads * D;
-    const int per_pass = PASS_REGS / V;
-    const int64_t num_passes = num_kv_heads * ((group + per_pass - 1) / per_pass);
+    const int per_pass = PASS_HEADS * 4 / V, words = (int)D / (bf ? 2 : 1);
+    const int64_t passes = num_kv_heads * ((group + per_pass - 1) / per_pass);
+    int run = (int)(RUN_FLOATS / num_heads) / 16 * 16;
+    run = run < 16 ? 16 : run > RUN_KEYS ? RUN_KEYS : run;
+    const int64_t stride = run + 16, lines_per_key = slot * (bf ? 2 : 4) / 64;
+    float s[RUN_FLOATS + 16 * MAX_HEADS] __attribute__((aligned(64)));
+    int64_t tile_at[RUN_KEYS + 1]; /* a tile's first key, in elements of the pool; at num_tiles, the next run's */
+    int tile_keys[RUN_KEYS + 1], tile_first[RUN_KEYS];
     for (int64_t h = 0; h < num_heads; h++) {
         mx[h] = -INFINITY;
         sm[h] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * num_heads * D);
-    float s[PASS_REGS / 4][CHUNK] __attribute__((aligned(64)));
+#define EACH_PASS(CALL)                                                                                   \
+    for (int64_t g = 0; g < num_kv_heads; g++)                                                            \
+        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {                              \
+            const int nh = (g + 1) * group - h0 < per_pass ? (int)((g + 1) * group - h0) : per_pass;      \
+            switch (nh) { /* the heads a compile-time count, so their sums stay in registers */           \
+            case 1: CALL(1); break;                                                                       \
+            case 2: CALL(2); break;                                                                       \
+            case 3: if (V == 4) CALL(3); break;                                                           \
+            default: if (V == 4) CALL(4); break;                                                          \
+            }                                                                                             \
+        }
     for (int64_t pos = start; pos < end;) {
-        int64_t n;
-        const int64_t kb = chunk_at(block_stride, table, pos, end, block_size, slot, &n), vb = kb + side_stride;
-        /* The next chunk: its K lines then its V lines, pf_step of them per key visited. */
-        const char *nk = kv_addr(kv, kb, bf), *nv = nk;
-        int64_t pf_lines = 0, pf_i = 0;
-        if (pos + n < end) {
-            int64_t next_n;
-            const int64_t next = chunk_at(block_stride, table, pos + n, end, block_size, slot, &next_n);
-            nk = kv_addr(kv, next, bf);
-            nv = kv_addr(kv, next + side_stride, bf);
-            pf_lines = next_n * slot / (bf ? 32 : 16);
+        int num_tiles = 0, n = 0; /* this run's tiles and keys */
+        int64_t at = pos;
+        for (; at < end && n < run; num_tiles++) {
+            const int64_t k = tile_len(at, end, block_size, run - n);
+            tile_at[num_tiles] = table[at / block_size] * block_stride + at % block_size * slot;
+            tile_keys[num_tiles] = (int)k;
+            tile_first[num_tiles] = n;
+            n += (int)k;
+            at += k;
         }
-        const int64_t pf_step = (2 * pf_lines + 2 * n * num_passes - 1) / (2 * n * num_passes);
-#define PREFETCH_SOME()                                                                   \
-    for (int64_t i = 0; i < pf_step && pf_i < 2 * pf_lines; i++, pf_i++)                 \
-        _mm_prefetch(pf_i < pf_lines ? nk + 64 * pf_i : nv + 64 * (pf_i - pf_lines), _MM_HINT_T1);
-        for (int64_t g = 0; g < num_kv_heads; g++) {
-            const int64_t kg = kb + g * D, vg = vb + g * D;
-            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {
-                const int nh = (g + 1) * group - h0 < per_pass ? (int)((g + 1) * group - h0) : per_pass;
-                __m512 qv[PASS_REGS / 4][8], a[PASS_REGS / 4][8], x[8];
-                for (int j = 0; j < nh; j++)
-                    for (int d = 0; d < V; d++) qv[j][d] = _mm512_loadu_ps(q + (h0 + j) * D + 16 * d);
-                for (int64_t t = 0; t < n; t++) { /* scores */
-                    PREFETCH_SOME();
-                    for (int d = 0; d < V; d++) x[d] = kv_load16(kv, kg + t * slot + 16 * d, bf);
-                    for (int j = 0; j < nh; j++) {
-                        __m512 p = _mm512_mul_ps(qv[j][0], x[0]);
-                        for (int d = 1; d < V; d++) p = _mm512_fmadd_ps(qv[j][d], x[d], p);
-                        s[j][t] = scale * _mm512_reduce_add_ps(p);
-                    }
-                }
-                for (int j = 0; j < nh; j++) { /* running softmax; a[j] = the accumulator rescaled */
-                    const int64_t h = h0 + j;
-                    float m = mx[h];
-                    for (int64_t t = 0; t < n; t++) m = s[j][t] > m ? s[j][t] : m;
-                    __m512 sum = _mm512_setzero_ps();
-                    for (int64_t t = 0; t < n; t += 16) {
-                        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
-                        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s[j] + t), _mm512_set1_ps(m)));
-                        _mm512_storeu_ps(s[j] + t, e);
-                        sum = _mm512_mask_add_ps(sum, live, sum, e);
-                    }
-                    const float correction = exp_nonpositive(mx[h] - m); /* ~0 on the first chunk */
-                    mx[h] = m;
-                    sm[h] = sm[h] * correction + _mm512_reduce_add_ps(sum);
-                    const __m512 c = _mm512_set1_ps(correction);
-                    for (int d = 0; d < V; d++) a[j][d] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * d), c);
-                }
-                for (int64_t t = 0; t < n; t++) { /* values */
-                    PREFETCH_SOME();
-                    for (int d = 0; d < V; d++) x[d] = kv_load16(kv, vg + t * slot + 16 * d, bf);
-                    for (int j = 0; j < nh; j++) {
-                        const __m512 p = _mm512_set1_ps(s[j][t]);
-                        for (int d = 0; d < V; d++) a[j][d] = _mm512_fmadd_ps(p, x[d], a[j][d]);
-                    }
-                }
-                for (int j = 0; j < nh; j++)
-                    for (int d = 0; d < V; d++) _mm512_storeu_ps(acc + (h0 + j) * D + 16 * d, a[j][d]);
+        /* the next run's first tile (0 keys: none), to prefetch */
+        tile_at[num_tiles] = at < end ? table[at / block_size] * block_stride + at % block_size * slot : tile_at[0];
+        tile_keys[num_tiles] = at < end ? (int)tile_len(at, end, block_size, run) : 0;
+        for (int i = 0; i < num_tiles; i++) { /* scores; meanwhile the next tile's keys, then the first's values */
+            const int64_t nx = i + 1 < num_tiles ? tile_at[i + 1] : tile_at[0] + side_stride;
+            lines_t pf = {kv_addr(kv, nx, bf), (i + 1 < num_tiles ? tile_keys[i + 1] : tile_keys[0]) * lines_per_key};
+            const int64_t per = (pf.left + passes * words - 1) / (passes * words);
+#define SCORE(NH) score_tile(q + h0 * D, kv, tile_at[i] + g * D, slot, tile_keys[i], NH, (int)D, scale, \
+                             s + h0 * stride, stride, tile_first[i], &pf, per, bf)
+            EACH_PASS(SCORE)
+#undef SCORE
+        }
+        for (int64_t h = 0; h < num_heads; h++) { /* the run's softmax step */
+            float *sh = s + h * stride;
+            __m512 vm = _mm512_set1_ps(mx[h]);
+            for (int t = 0; t < n; t += 16) {
+                const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+                vm = _mm512_mask_max_ps(vm, live, vm, _mm512_loadu_ps(sh + t));
             }
+            const float m = _mm512_reduce_max_ps(vm);
+            __m512 sum = _mm512_setzero_ps();
+            for (int t = 0; t < n; t += 16) {
+                const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+                const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sh + t), _mm512_set1_ps(m)));
+                _mm512_storeu_ps(sh + t, e);
+                sum = _mm512_mask_add_ps(sum, live, sum, e);
+            }
+            const float correction = exp_nonpositive(mx[h] - m); /* ~0 on the first run */
+            mx[h] = m;
+            sm[h] = sm[h] * correction + _mm512_reduce_add_ps(sum);
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_storeu_ps(acc + h * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + d), _mm512_set1_ps(correction)));
         }
-#undef PREFETCH_SOME
+        for (int i = 0; i < num_tiles; i++) { /* values; meanwhile the next tile's, then the next run's keys */
+            lines_t pf = {kv_addr(kv, i + 1 < num_tiles ? tile_at[i + 1] + side_stride : tile_at[num_tiles], bf),
+                          tile_keys[i + 1] * lines_per_key};
+            const int64_t per = (pf.left + passes * tile_keys[i] - 1) / (passes * tile_keys[i]);
+#define VALUE(NH) value_tile(s + h0 * stride + tile_first[i], stride, kv, tile_at[i] + side_stride + g * D, slot, \
+                             tile_keys[i], acc + h0 * D, NH, V, &pf, per, bf)
+            EACH_PASS(VALUE)
+#undef VALUE
+        }
         pos += n;
     }
+#undef EACH_PASS
+    if (bf) /* acc's elements back in order */
+        for (int64_t i = 0; i < num_heads * D; i += 32) {
+            const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+            const __m512 even = _mm512_loadu_ps(acc + i), odd = _mm512_loadu_ps(acc + i + 16);
+            _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(even, lo, odd));
+            _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(even, hi, odd));
+        }
 }
 #endif
 
