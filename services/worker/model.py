@@ -355,7 +355,7 @@ class LlamaModel(nn.Module):
         if not threads:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, kv_pool[:, i], meta)
-        h = F.rms_norm(x[sample_rows], x.shape[-1:], self.norm, self.cfg.rms_norm_eps)  # [S, hidden]
+        h = add_rms_norm_(x[sample_rows], None, self.norm, self.cfg.rms_norm_eps)  # [S, hidden]
         logits = self.lm_head(h, threads or None) if self.lm_head is not None else F.linear(h, self.embed)
         return logits.float()  # [S, V]
 
