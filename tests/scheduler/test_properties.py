@@ -158,5 +158,16 @@ def _tight(max_batched_tokens: int, max_num_seqs: int, xfer_budget: int) -> dict
     script=[("step",)],
     seed=0,
 )
+# Found: admitted without room. The victims LVF preempted held the candidate's cached prefix, whose
+# blocks, freed, then had to be revived out of the free ones: its need was counted before.
+@example(
+    c={
+        "hbm_tokens": 80, "dram_tokens": 0, "block_size": 8, "max_batched_tokens": 48, "max_num_seqs": 5,
+        "xfer_budget": 6, "eager_rotation": False, "tbt_slo": 0.01, "ttft_slo": 0.05, "beta_b": 0.0, "alpha": 1.0,
+    },  # fmt: skip
+    reqs=[(31, 9, False), (32, 8, False), (1, 3, False), (43, 7, False), (7, 7, False)],
+    script=[("add",)],
+    seed=0,
+)
 def test_random_workloads_keep_invariants_and_finish(policy, c, reqs, script, seed):
     play(policy, c, reqs, script, seed)

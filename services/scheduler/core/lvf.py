@@ -99,9 +99,7 @@ def admit_by_vlt(
         num_new = core.grant(req, step, reserve=num_decodes, wanted=wanted)
         if num_new == 0:
             continue  # the step's prefill cap is spent; a paused decode may still fit
-        need = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
-        if core.running:  # leave the running requests room to grow (the first admission needs none)
-            need += watermark
+        need = _need(core, req, num_new, watermark)
         step.num_blocks_wanted += need
         num_in = memory.num_swap_in_copies(req)
         if num_in > step.moves_left:
@@ -111,11 +109,19 @@ def admit_by_vlt(
             num_preempted = step.num_preempted
             num_decodes -= _displace(core, step, need, num_in, _victims(core, step, req, v, tail))
             may_fit = step.num_preempted > num_preempted  # else HBM is as it was: no room (as `_fits` would say)
+            if may_fit:  # a victim's blocks may be req's cached prefix, now to be revived out of the free ones
+                need = _need(core, req, num_new, watermark)
         if not (may_fit and _fits(core, req, need, step)):
             if req.has_emitted and core.cfg.rotary_yields:
                 continue
             return
         core.admit(req, step, num_new)
+
+
+def _need(core: PolicyView, req: Request, num_new: int, watermark: int) -> int:
+    """HBM blocks `req` must find free to be admitted computing `num_new` tokens."""
+    need = core.memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
+    return need + watermark if core.running else need  # the running requests' room to grow; the first needs none
 
 
 def _fits(core: PolicyView, req: Request, need: int, step: Step) -> bool:
