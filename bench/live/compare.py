@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.live import pressure
-from bench.live.serve import first_model, replay, tokenizer_path
+from bench.live.serve import add_sampling_argument, first_model, replay, tokenizer_path
 from bench.live.server import REPO, Launched, LaunchError, answers_ready, launch
 from bench.live.workload import SyntheticSpec, WorkItem, add_chat_arguments, chat_spec, load_workload, synthetic_items
 from bench.report.metrics import RequestRecord, format_summary, summarize
@@ -100,6 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="GGUF or model directory building the prompts (default: the first ready target's served model, "
         "where its GET /v1/models root exists here; else the bundled model)",
     )  # fmt: skip
+    add_sampling_argument(p)
     p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results", help="default %(default)s")
     p.add_argument("--log-dir", type=Path, default=None, help="start commands' output (default: a new temp folder)")
     g = p.add_argument_group("stream probe")
@@ -265,7 +266,8 @@ def wait_ready(t: Target, server: Launched, record: dict, args) -> None:
 def client_args(args) -> argparse.Namespace:
     """What `bench serve`'s replay reads: every request sent at its arrival, EOS ignored."""
     return argparse.Namespace(
-        max_concurrency=None, request_timeout=args.request_timeout, api_key=args.api_key, ignore_eos=True
+        max_concurrency=None, request_timeout=args.request_timeout, api_key=args.api_key, ignore_eos=True,
+        sampling=args.sampling,
     )
 
 

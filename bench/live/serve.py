@@ -68,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    add_sampling_argument(p)
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument(
@@ -212,7 +213,7 @@ async def replay(base_url: str, model: str, items: list[WorkItem], args) -> tupl
         async def one(item: WorkItem) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + item.arrival_s - time.perf_counter()))
             async with limit:
-                record = await send(s, url, request_body(model, item, args.ignore_eos), item, t0)
+                record = await send(s, url, request_body(model, item, args.ignore_eos, args.sampling), item, t0)
             progress.update(record.ok)
             return record
 
@@ -226,7 +227,7 @@ async def replay(base_url: str, model: str, items: list[WorkItem], args) -> tupl
                 due = time.perf_counter() - t0
                 texts: list[str] = []
                 async with limit:
-                    body = request_body(model, replace(item, prompt=prompt, arrival_s=due), args.ignore_eos)
+                    body = request_body(model, replace(item, prompt=prompt, arrival_s=due), args.ignore_eos, args.sampling)
                     record = await send(s, url, body, replace(item, arrival_s=due), t0, texts)
                 progress.update(record.ok)
                 records.append(record)
@@ -249,12 +250,31 @@ async def replay(base_url: str, model: str, items: list[WorkItem], args) -> tupl
     return list(records), duration_s
 
 
-def request_body(model: str, item: WorkItem, ignore_eos: bool) -> dict:
+def add_sampling_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sampling", type=sampling_fields, default={}, metavar="JSON",
+        help='sampling fields every request carries instead of greedy decoding, e.g. \'{"temperature": 0.8, '
+        '"top_p": 0.95}\' (default: temperature 0)',
+    )  # fmt: skip
+
+
+def sampling_fields(text: str) -> dict:
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError("a JSON object of request fields, e.g. {\"temperature\": 0.8}")
+    return fields
+
+
+def request_body(model: str, item: WorkItem, ignore_eos: bool, sampling: dict | None = None) -> dict:
     body = {
         "model": model,
         "prompt": item.prompt,
         "max_tokens": item.output_tokens,
         "temperature": 0.0,
+        **(sampling or {}),
         "stream": True,
         "stream_options": {"include_usage": True},
     }

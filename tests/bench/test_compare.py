@@ -15,6 +15,8 @@ import pytest
 from prometheus_client import start_http_server
 
 from bench.live import compare, pressure
+from bench.live.serve import request_body
+from bench.live.workload import WorkItem
 from bench.live.server import free_port, group_members, port_open
 from services.gateway.metrics import GatewayMetrics
 from services.scheduler.metrics import SchedulerMetrics
@@ -72,6 +74,17 @@ def test_table_sets_targets_side_by_side():
     assert "|  | completed / failed | 60 / 0 | 60 / 0 |  |" in table
     one = compare.markdown({"config": cfg, "targets": targets[:1]}).splitlines()
     assert one[0] == "| workload | metric | vllm |" and "|  | ITL p50 (ms) | 28.0 |" in one
+
+
+def test_sampling_fields_go_into_every_request_and_the_config():
+    args = parse_args("--target", "a=http://h:1", "--sampling", '{"temperature": 0.8, "top_p": 0.95}')
+    body = request_body("m", WorkItem("hi", 1, 4, 0.0), True, compare.client_args(args).sampling)
+    assert (body["temperature"], body["top_p"], body["max_tokens"], body["stream"]) == (0.8, 0.95, 4, True)
+    assert compare.run_config(args)["sampling"] == {"temperature": 0.8, "top_p": 0.95}
+    assert request_body("m", WorkItem("hi", 1, 4, 0.0), True)["temperature"] == 0.0
+    for bad in ("[0.8]", "temperature=0.8"):
+        with pytest.raises(SystemExit):
+            parse_args("--target", "a=http://h:1", "--sampling", bad)
 
 
 def test_pressure_options_and_their_usage_errors(capsys):

@@ -6,7 +6,9 @@ import math
 
 import torch
 
-from services.worker.sampler import draw_seed, make_generator, request_seed, sample
+import pytest
+
+from services.worker.sampler import distribution, draw_seed, make_generator, request_seed, sample
 from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
 from tests.worker.conftest import blocks_for, generate_together, greedy
 
@@ -57,6 +59,55 @@ def test_min_p_drops_tokens_less_likely_than_a_share_of_the_best():
     assert draws(LOG_PROBS, params(temperature=1.0, min_p=0.2, top_k=2)) == {0, 1}
     # A hotter temperature flattens the distribution first: 0.15 and 0.05 come within 0.2 of the best.
     assert draws(LOG_PROBS, params(temperature=10.0, min_p=0.2)) == {0, 1, 2, 3}
+
+
+def reference_distribution(row: torch.Tensor, p: SamplingParams) -> dict[int, float]:
+    """The filters applied plainly over the whole row, in vLLM's order: min-p against the best
+    token, top-k of the order by logit (lower id first among equals), then top-p's smallest
+    prefix of what is left that reaches p; token -> probability."""
+    probs = torch.softmax(row.double(), dim=-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: (-row[i].item(), i))
+    best = max(probs)
+    kept = [i for i in order[: p.top_k if p.top_k > 0 else None] if probs[i] >= p.min_p * best]
+    total = sum(probs[i] for i in kept)
+    out, mass = {}, 0.0
+    for i in kept:
+        if out and mass >= p.top_p:
+            break
+        out[i] = probs[i] / total
+        mass += probs[i] / total
+    return {i: q / sum(out.values()) for i, q in out.items()}
+
+
+def drawable(row: torch.Tensor, p: SamplingParams) -> dict[int, float]:
+    ids, probs = distribution(row, p)
+    ids = range(len(probs)) if ids is None else ids.tolist()
+    total = probs.sum().item()  # drawn in proportion: min-p's cut is not renormalized
+    return {i: q / total for i, q in zip(ids, probs.tolist()) if q > 0}
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [(0, 1.0, 0.0), (0, 1.0, 0.05), (50, 1.0, 0.0), (0, 0.9, 0.0), (40, 0.95, 0.02), (0, 0.8, 0.01), (1, 1.0, 0.0)],
+)
+@pytest.mark.parametrize("spread", [4.0, 0.05])  # peaked, and so flat that top-p reaches past 2000 tokens
+def test_distribution_over_a_large_vocabulary_is_the_whole_row_sort(top_k, top_p, min_p, spread):
+    """Only the best tokens are sorted; the set and the probabilities are those of the plain
+    filters over all 5000 ids (flat rows make top-p's set outgrow the first sorted tokens)."""
+    row = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * spread
+    row[[7, 8, 9]] = row.max()  # a three-way tie for the best
+    p = params(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    got, want = drawable(row, p), reference_distribution(row, p)
+    assert got.keys() == want.keys()
+    assert max(abs(got[i] - want[i]) for i in want) < 1e-6
+
+
+def test_distribution_of_a_constrained_row_keeps_to_the_allowed_tokens():
+    row = torch.full((5000,), float("-inf"))
+    row[[3, 40, 41]] = torch.tensor([1.0, 2.0, 0.5])
+    for p in (params(temperature=1.0, top_p=0.9), params(temperature=1.0, top_k=300), params(temperature=1.0)):
+        assert drawable(row, p).keys() <= {3, 40, 41}
+        assert 40 in drawable(row, p)
 
 
 def test_low_temperature_is_nearly_greedy_and_high_spreads():
