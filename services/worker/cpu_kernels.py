@@ -61,6 +61,7 @@ class CpuKernels:
         self._add_rms_norm = _bind(lib.add_rms_norm_f32, [_ptr, _ptr, _ptr, f, _ptr, _i64, _i64, c_int])
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
+        self._argmax = _bind(lib.argmax_rows_f32, [_ptr, _i64, _i64, _ptr])
         self._write_kv = _bind(lib.write_kv_f32, [_ptr, _ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _ptr, _i64, _i64])
         self._copy_blocks = _bind(lib.copy_blocks, [_ptr, _ptr, _i64, _ptr, _ptr, _i64])
         self._read_words = _bind(lib.read_words, [_ptr, _i64, c_int], restype=ctypes.c_uint64)
@@ -176,6 +177,12 @@ class CpuKernels:
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, _threads())
         return out
 
+
+    def argmax(self, x: torch.Tensor) -> list[int]:
+        """x: [T, n] contiguous -> each row's first index of its largest value (torch's argmax)."""
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        self._argmax(x.data_ptr(), *x.shape, out.data_ptr())
+        return out.tolist()
 
     # ------------------------------------------------------------ small-batch matmul
 

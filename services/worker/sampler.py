@@ -15,6 +15,7 @@ import secrets
 
 import torch
 
+from services.worker import cpu_kernels
 from shared.protocol import SamplingParams
 
 _MASK63 = (1 << 63) - 1
@@ -53,7 +54,9 @@ def sample(
     greedy = [i for i in range(num_rows) if is_greedy(params[i])]
     random = [i for i in range(num_rows) if not is_greedy(params[i])]
     if greedy:  # all rows, the common case, without the copy a list index makes (~0.1 ms at 49K ids)
-        picked = (logits if len(greedy) == num_rows else logits[greedy]).argmax(dim=-1).tolist()
+        rows = logits if len(greedy) == num_rows else logits[greedy]
+        native = cpu_kernels.for_tensor(rows) if rows.is_contiguous() else None
+        picked = native.argmax(rows) if native is not None else rows.argmax(dim=-1).tolist()
         for i, t in zip(greedy, picked):
             tokens[i] = t
     if random:

@@ -36,6 +36,19 @@ def test_greedy_and_random_rows_in_one_batch():
     assert sample(logits, ps, gens, [0, 1, 2]) == [1, 0, 2]
 
 
+def test_greedy_picks_torchs_argmax_ties_nan_and_all_minus_inf_included():
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randn(49152, generator=gen) for _ in range(3)]
+    rows[1][[100, 40000]] = 50.0  # a tie: the lower id
+    rows[2][[5, 7]] = float("nan")  # NaN counts as the largest: the first one
+    rows += [torch.full((49152,), float("-inf")), torch.tensor([float("inf"), 1.0, float("inf")])]
+    for row in rows:
+        p = params(temperature=0.0)
+        assert sample(row[None], [p], [None], [0]) == [int(row.argmax())]
+    batch = torch.stack(rows[:4])
+    assert sample(batch, [params(temperature=0.0)] * 4, [None] * 4, [0] * 4) == batch.argmax(dim=-1).tolist()
+
+
 def test_top_k_keeps_the_k_best():
     assert draws(LOG_PROBS, params(temperature=1.0, top_k=2)) == {0, 1}
     assert draws(LOG_PROBS, params(temperature=1.0, top_k=1)) == {0}

@@ -95,6 +95,30 @@ void write_kv_f32(const float *k, const float *v, int64_t row_stride, void *kv, 
     }
 }
 
+/* ------------------------------------------------------------ greedy picks */
+
+/* x: [T, n] contiguous; out[r] = the first index of row r's largest value, a NaN counting as
+ * larger than any number (torch's argmax). One pass for the maximum, one that stops at its
+ * first occurrence: torch's argmax carries an index per lane and took ~45 us a 49K-id row. */
+void argmax_rows_f32(const float *x, int64_t num_rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *xr = x + r * n;
+        float m = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t i = 0; i < n; i++) {
+            m = xr[i] > m ? xr[i] : m;
+            nan |= xr[i] != xr[i];
+        }
+        int64_t i = 0;
+        if (nan)
+            while (xr[i] == xr[i]) i++;
+        else
+            while (i < n - 1 && xr[i] != m) i++; /* n - 1: a row of -inf only */
+        out[r] = i;
+    }
+}
+
 /* ------------------------------------------------------------ KV block copies
  * One memcpy per block on the calling (transfer) thread: no OpenMP team. Another team beside
  * the compute thread's would make libgomp count more threads than cores and stop spinning,
