@@ -10,7 +10,6 @@ requests shared the batch, nor on a preemption, recompute or resubmission before
 
 from __future__ import annotations
 
-import math
 import secrets
 
 import torch
