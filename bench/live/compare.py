@@ -41,6 +41,7 @@ from pathlib import Path
 
 from bench.live import pressure
 from bench.live.serve import add_sampling_argument, first_model, replay, tokenizer_path
+from bench.live.serve import client_args as serve_client_args
 from bench.live.server import REPO, Launched, LaunchError, answers_ready, launch
 from bench.live.workload import SyntheticSpec, WorkItem, add_chat_arguments, chat_spec, load_workload, synthetic_items
 from bench.report.metrics import RequestRecord, format_summary, summarize
@@ -264,11 +265,7 @@ def wait_ready(t: Target, server: Launched, record: dict, args) -> None:
 
 
 def client_args(args) -> argparse.Namespace:
-    """What `bench serve`'s replay reads: every request sent at its arrival, EOS ignored."""
-    return argparse.Namespace(
-        max_concurrency=None, request_timeout=args.request_timeout, api_key=args.api_key, ignore_eos=True,
-        sampling=args.sampling,
-    )
+    return serve_client_args(args.request_timeout, args.api_key, args.sampling)
 
 
 def replay_items(base_url: str, model: str, items: list[WorkItem], args) -> tuple[list[RequestRecord], float]:

@@ -268,6 +268,14 @@ def sampling_fields(text: str) -> dict:
     return fields
 
 
+def client_args(request_timeout: float, api_key: str | None = None, sampling: dict | None = None) -> argparse.Namespace:
+    """What `replay` reads, for a caller without `bench serve`'s arguments: every request sent at
+    its arrival, EOS ignored, greedy unless `sampling` (request fields) says otherwise."""
+    return argparse.Namespace(
+        max_concurrency=None, request_timeout=request_timeout, api_key=api_key, ignore_eos=True, sampling=sampling or {}
+    )
+
+
 def request_body(model: str, item: WorkItem, ignore_eos: bool, sampling: dict | None = None) -> dict:
     body = {
         "model": model,

@@ -8,7 +8,6 @@ scheduler's step trace (`--step-trace`) and its `request_finished` log events.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -65,7 +64,7 @@ def serve_trace(server: Server, items: list[WorkItem], step_trace: Path) -> Live
     """`bench serve`'s replay of `items`, and the steps the scheduler traced meanwhile."""
     from bench.live import serve
 
-    args = argparse.Namespace(max_concurrency=None, request_timeout=900.0, api_key=None, ignore_eos=True)
+    args = serve.client_args(request_timeout=900.0)
     load0, w0 = os.getloadavg()[0], time.time()
     records, duration_s = asyncio.run(serve.replay(server.base_url, server.model, items, args))
     w1 = time.time()
