@@ -149,6 +149,29 @@ def test_a_draw_depends_on_seed_and_position_only():
     assert request_seed(params()) != request_seed(params())
 
 
+def test_rows_with_different_filters_draw_in_one_batch_as_alone():
+    """Each row's draw is its own: filtered and drawn beside rows with other settings (some
+    sorted, some not) it gives the token it gives alone, and one its filters allow."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 3000, generator=gen) * torch.tensor([[3.0], [3.0], [0.05], [3.0], [1.0], [3.0]])
+    ps = [
+        params(temperature=0.8, top_p=0.9),
+        params(temperature=1.0),
+        params(temperature=1.0, top_p=0.8),  # flat: top-p reaches past the first sorted tokens
+        params(temperature=0.7, top_k=5),
+        params(temperature=1.2, min_p=0.1, top_p=0.95),
+        params(temperature=1.0, min_p=0.2),
+    ]
+    gens = [make_generator(p, torch.device("cpu")) for p in ps]
+    for pos in range(20):
+        seeds = [draw_seed(11 + i, pos) for i in range(6)]
+        together = sample(logits, ps, gens, seeds)
+        alone = [sample(logits[i : i + 1], [ps[i]], [gens[i]], [seeds[i]])[0] for i in range(6)]
+        assert together == alone
+        for i, t in enumerate(together):
+            assert t in drawable(logits[i] / ps[i].temperature, ps[i])
+
+
 def test_seeded_generation_is_reproducible(make_runner, chat_prompts):
     """Through the runner: a seeded request yields the same tokens again, next to other
     requests or alone; another seed yields others; top_k=1 yields the greedy tokens."""
