@@ -62,6 +62,7 @@ class CpuKernels:
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
         self._argmax = _bind(lib.argmax_rows_f32, [_ptr, _i64, _i64, _ptr])
+        self._sample = _bind(lib.sample_rows_f32, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr], restype=c_int)
         self._write_kv = _bind(lib.write_kv_f32, [_ptr, _ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _ptr, _i64, _i64])
         self._copy_blocks = _bind(lib.copy_blocks, [_ptr, _ptr, _i64, _ptr, _ptr, _i64])
         self._read_words = _bind(lib.read_words, [_ptr, _i64, c_int], restype=ctypes.c_uint64)
@@ -183,6 +184,22 @@ class CpuKernels:
         out = torch.empty(x.shape[0], dtype=torch.long)
         self._argmax(x.data_ptr(), *x.shape, out.data_ptr())
         return out.tolist()
+
+    def sample(
+        self, scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float], u: list[float]
+    ) -> list[int]:
+        """scaled: [R, V] contiguous, each row divided by its temperature -> one drawn id per
+        row, filtered by its top_k (0: none), top_p (>= 1: none) and min_p (0: none), from its
+        uniform u in [0, 1) (csrc/sampling.c)."""
+        num_rows, vocab = scaled.shape
+        # ctypes arrays, not tensors: after a step has streamed the weights through the caches,
+        # each torch op costs ~25 us, more than the kernel's work on a row.
+        longs, doubles = ctypes.c_int64 * num_rows, ctypes.c_double * num_rows
+        out = longs()
+        args = (longs(*top_k), doubles(*top_p), doubles(*min_p), doubles(*u), out)
+        if self._sample(scaled.data_ptr(), num_rows, vocab, *map(ctypes.addressof, args)):
+            raise MemoryError("no memory for the sampler's scratch")
+        return list(out)
 
     # ------------------------------------------------------------ small-batch matmul
 

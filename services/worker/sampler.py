@@ -74,6 +74,10 @@ def _sample_random(
     """logits: [R, V] -> one drawn id per row."""
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     scaled = logits / temps[:, None]  # [R, V]
+    native = cpu_kernels.for_tensor(scaled)
+    if native is not None:  # the same filters and draw, every row in one call (csrc/sampling.c)
+        u = [float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators]
+        return native.sample(scaled, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params], u)
     return [_sample_row(scaled[i], params[i], generators[i]) for i in range(len(params))]
 
 

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
 
 import pytest
 
+from services.worker import cpu_kernels, sampler
 from services.worker.sampler import distribution, draw_seed, make_generator, request_seed, sample
 from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
 from tests.worker.conftest import blocks_for, generate_together, greedy
+
+
+@pytest.fixture(params=["native", "torch"])
+def draw_path(request, monkeypatch):
+    """Sampled rows drawn by the CPU kernel (csrc/sampling.c), or by the torch path every other
+    device takes."""
+    if request.param == "torch":
+        monkeypatch.setattr(sampler.cpu_kernels, "for_tensor", lambda t: None)
+    elif cpu_kernels.kernels() is None:
+        pytest.skip("no native kernels here")
 
 
 def params(**kw) -> SamplingParams:
@@ -28,7 +40,7 @@ PROBS = [0.5, 0.3, 0.15, 0.05]
 LOG_PROBS = [math.log(x) for x in PROBS]
 
 
-def test_greedy_and_random_rows_in_one_batch():
+def test_greedy_and_random_rows_in_one_batch(draw_path):
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
     ps = [params(temperature=0.0), params(temperature=1.0, top_k=1), params(temperature=0.0)]
     gens = [make_generator(p, torch.device("cpu")) for p in ps]
@@ -49,13 +61,13 @@ def test_greedy_picks_torchs_argmax_ties_nan_and_all_minus_inf_included():
     assert sample(batch, [params(temperature=0.0)] * 4, [None] * 4, [0] * 4) == batch.argmax(dim=-1).tolist()
 
 
-def test_top_k_keeps_the_k_best():
+def test_top_k_keeps_the_k_best(draw_path):
     assert draws(LOG_PROBS, params(temperature=1.0, top_k=2)) == {0, 1}
     assert draws(LOG_PROBS, params(temperature=1.0, top_k=1)) == {0}
     assert draws(LOG_PROBS, params(temperature=1.0)) == {0, 1, 2, 3}
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p():
+def test_top_p_keeps_the_smallest_set_reaching_p(draw_path):
     assert draws(LOG_PROBS, params(temperature=1.0, top_p=0.5)) == {0}
     assert draws(LOG_PROBS, params(temperature=1.0, top_p=0.6)) == {0, 1}
     assert draws(LOG_PROBS, params(temperature=1.0, top_p=0.9)) == {0, 1, 2}
@@ -63,7 +75,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert draws(LOG_PROBS, params(temperature=1.0, top_k=3, top_p=0.99)) == {0, 1, 2}
 
 
-def test_min_p_drops_tokens_less_likely_than_a_share_of_the_best():
+def test_min_p_drops_tokens_less_likely_than_a_share_of_the_best(draw_path):
     """vLLM's min_p: relative to the most likely token of the whole (tempered) distribution,
     before top-k / top-p."""
     assert draws(LOG_PROBS, params(temperature=1.0, min_p=0.5)) == {0, 1}  # 0.3 >= 0.25, 0.15 < 0.25
@@ -115,6 +127,29 @@ def test_distribution_over_a_large_vocabulary_is_the_whole_row_sort(top_k, top_p
     assert max(abs(got[i] - want[i]) for i in want) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [(0, 1.0, 0.0), (0, 1.0, 0.05), (50, 1.0, 0.0), (0, 0.9, 0.0), (40, 0.95, 0.02), (0, 0.8, 0.01), (1, 1.0, 0.0)],
+)
+@pytest.mark.parametrize("spread", [4.0, 0.05])
+def test_native_draws_follow_the_whole_row_distribution(top_k, top_p, min_p, spread):
+    """The CPU kernel's draws (csrc/sampling.c) at 1000 evenly spaced uniforms: only tokens the
+    filters keep, each as often as its probability says (an inverse CDF at stratified uniforms
+    gives each token its share to within 2 draws)."""
+    native = cpu_kernels.kernels()
+    if native is None:
+        pytest.skip("no native kernels here")
+    row = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * spread
+    row[[7, 8, 9]] = row.max()
+    p = params(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    want, num = reference_distribution(row, p), 1000
+    drawn = native.sample(row.repeat(num, 1), [top_k] * num, [top_p] * num, [min_p] * num,
+                          [(j + 0.5) / num for j in range(num)])  # fmt: skip
+    counts = collections.Counter(drawn)
+    assert counts.keys() <= want.keys()
+    assert all(abs(counts[t] / num - q) <= 2 / num for t, q in want.items())
+
+
 def test_distribution_of_a_constrained_row_keeps_to_the_allowed_tokens():
     row = torch.full((5000,), float("-inf"))
     row[[3, 40, 41]] = torch.tensor([1.0, 2.0, 0.5])
@@ -123,18 +158,18 @@ def test_distribution_of_a_constrained_row_keeps_to_the_allowed_tokens():
         assert 40 in drawable(row, p)
 
 
-def test_low_temperature_is_nearly_greedy_and_high_spreads():
+def test_low_temperature_is_nearly_greedy_and_high_spreads(draw_path):
     assert draws(LOG_PROBS, params(temperature=0.01)) == {0}
     flat = draws([0.0, 0.1, 0.2, 0.3], params(temperature=100.0))
     assert flat == {0, 1, 2, 3}
 
 
-def test_ties_under_top_k_1_pick_the_lowest_id_like_argmax():
+def test_ties_under_top_k_1_pick_the_lowest_id_like_argmax(draw_path):
     row = [1.0, 4.0, 4.0, 0.0]
     assert draws(row, params(temperature=0.7, top_k=1), num=20) == {1}
 
 
-def test_a_draw_depends_on_seed_and_position_only():
+def test_a_draw_depends_on_seed_and_position_only(draw_path):
     """Same seed -> same token whether alone or in a batch with other rows."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 1000, generator=gen)
@@ -149,7 +184,7 @@ def test_a_draw_depends_on_seed_and_position_only():
     assert request_seed(params()) != request_seed(params())
 
 
-def test_rows_with_different_filters_draw_in_one_batch_as_alone():
+def test_rows_with_different_filters_draw_in_one_batch_as_alone(draw_path):
     """Each row's draw is its own: filtered and drawn beside rows with other settings (some
     sorted, some not) it gives the token it gives alone, and one its filters allow."""
     gen = torch.Generator().manual_seed(5)
