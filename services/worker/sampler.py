@@ -2,8 +2,9 @@
 generator.
 
 Greedy rows share one argmax. The other rows are tempered together, then filtered (min-p,
-top-k and top-p as vLLM applies them) and drawn from row by row, with the request's own
-`torch.Generator`, reseeded for each draw from (request seed, position).
+top-k and top-p as vLLM applies them) and drawn from, each from one uniform of the request's own
+`torch.Generator`, reseeded for each draw from (request seed, position). On CPU one native call
+(csrc/sampling.c) filters and draws every such row; elsewhere the torch ops here do, row by row.
 A token therefore depends on its seed, its position and its logits only: not on which
 requests shared the batch, nor on a preemption, recompute or resubmission before it.
 """
