@@ -150,6 +150,15 @@ def test_native_draws_follow_the_whole_row_distribution(top_k, top_p, min_p, spr
     assert all(abs(counts[t] / num - q) <= 2 / num for t, q in want.items())
 
 
+def test_native_draws_stay_in_range_on_rows_without_weight():
+    native = cpu_kernels.kernels()
+    if native is None:
+        pytest.skip("no native kernels here")
+    rows = torch.stack([torch.full((300,), float("-inf")), torch.full((300,), float("nan"))])
+    for top_k, top_p in ((0, 1.0), (5, 1.0), (0, 0.9)):
+        assert all(0 <= t < 300 for t in native.sample(rows, [top_k] * 2, [top_p] * 2, [0.0] * 2, [0.3] * 2))
+
+
 def test_distribution_of_a_constrained_row_keeps_to_the_allowed_tokens():
     row = torch.full((5000,), float("-inf"))
     row[[3, 40, 41]] = torch.tensor([1.0, 2.0, 0.5])

@@ -131,6 +131,7 @@ static int64_t draw_ranked(const float *x, const float *w, int64_t n, double tot
 #endif
     for (; i < n; i++)
         if (w[i] >= floor) c[count].logit = x[i], c[count++].id = i;
+    if (!count) return 0; /* no token with weight: a row of -inf or NaN */
     qsort(c, (size_t)count, sizeof *c, by_logit_then_id);
     int64_t kept = top_k && top_k < count ? top_k : count;
     double z = 0.0;
