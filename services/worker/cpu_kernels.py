@@ -178,12 +178,13 @@ class CpuKernels:
         self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, _threads())
         return out
 
+    # ------------------------------------------------------------ sampling
 
     def argmax(self, x: torch.Tensor) -> list[int]:
         """x: [T, n] contiguous -> each row's first index of its largest value (torch's argmax)."""
-        out = torch.empty(x.shape[0], dtype=torch.long)
-        self._argmax(x.data_ptr(), *x.shape, out.data_ptr())
-        return out.tolist()
+        out = (ctypes.c_int64 * x.shape[0])()  # not a tensor: see `sample`
+        self._argmax(x.data_ptr(), *x.shape, ctypes.addressof(out))
+        return list(out)
 
     def sample(
         self, scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float], u: list[float]

@@ -114,7 +114,7 @@ void argmax_rows_f32(const float *x, int64_t num_rows, int64_t n, int64_t *out) 
         if (nan)
             while (xr[i] == xr[i]) i++;
         else
-            while (i < n - 1 && xr[i] != m) i++; /* n - 1: a row of -inf only */
+            while (i < n - 1 && xr[i] != m) i++; /* m is in the row; the bound only guards */
         out[r] = i;
     }
 }
