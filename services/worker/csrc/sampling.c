@@ -112,6 +112,59 @@ static void floor_counts(const float *w, int64_t n, int64_t *count, double *mass
     }
 }
 
+/* More candidates than SORT_MAX (a flat row: top-p can keep tens of thousands of ids): they go
+ * into buckets of 1/BUCKETS_PER_NAT nat of logit below the best, and only the bucket where the
+ * top-k's count or top-p's mass is reached is sorted. */
+#define SORT_MAX 512
+#define BUCKETS_PER_NAT 16
+#define NUM_BUCKETS (BUCKETS_PER_NAT * 90) /* the last holds anything further below */
+
+static inline int bucket_of(float best, float logit) {
+    const float b = (best - logit) * BUCKETS_PER_NAT;
+    return b < NUM_BUCKETS - 1 ? (int)b : NUM_BUCKETS - 1;
+}
+
+static inline void swap_candidates(candidate_t *a, candidate_t *b) {
+    const candidate_t t = *a;
+    *a = *b;
+    *b = t;
+}
+
+/* Reorders c[0, count) as: the candidates of the buckets before the cut (*head of them, in no
+ * order, weighing *head_mass; with top-k they are 0 and everything up to the cut is to be
+ * sorted), then those of the cut's bucket; returns how many that is (the rest are filtered
+ * out). The cut is the first bucket where the count reaches top_k, or without top-k where the
+ * weight reaches p_mass. */
+static int64_t narrow(candidate_t *c, int64_t count, const float *w, int64_t top_k, double p_mass, int64_t *head,
+                      double *head_mass) {
+    int64_t num[NUM_BUCKETS] = {0};
+    double mass[NUM_BUCKETS] = {0};
+    float best = c[0].logit;
+    for (int64_t j = 1; j < count; j++) best = c[j].logit > best ? c[j].logit : best;
+    for (int64_t j = 0; j < count; j++) {
+        const int b = bucket_of(best, c[j].logit);
+        num[b]++;
+        mass[b] += w[c[j].id];
+    }
+    int cut = 0;
+    int64_t before = 0;
+    double before_mass = 0.0;
+    for (; cut < NUM_BUCKETS - 1; cut++) {
+        if (top_k ? before + num[cut] >= top_k : before_mass + mass[cut] >= p_mass) break;
+        before += num[cut];
+        before_mass += mass[cut];
+    }
+    int64_t lo = 0, hi;
+    for (int64_t j = 0; j < count; j++)
+        if (bucket_of(best, c[j].logit) < cut) swap_candidates(c + lo++, c + j);
+    hi = lo;
+    for (int64_t j = lo; j < count; j++)
+        if (bucket_of(best, c[j].logit) == cut) swap_candidates(c + hi++, c + j);
+    *head = top_k ? 0 : lo;
+    *head_mass = top_k ? 0.0 : before_mass;
+    return hi;
+}
+
 /* One ranked row: x its logits, w its weights (row_weights), total their sum. */
 static int64_t draw_ranked(const float *x, const float *w, int64_t n, double total, int64_t top_k, double top_p,
                            double u, candidate_t *c) {
@@ -132,14 +185,19 @@ static int64_t draw_ranked(const float *x, const float *w, int64_t n, double tot
     for (; i < n; i++)
         if (w[i] >= floor) c[count].logit = x[i], c[count++].id = i;
     if (!count) return 0; /* no token with weight: a row of -inf or NaN */
-    qsort(c, (size_t)count, sizeof *c, by_logit_then_id);
+    int64_t head = 0; /* c[0, head): kept whatever their order (see narrow) */
+    double head_mass = 0.0;
+    if (count > SORT_MAX && (!top_k || top_k < count)) count = narrow(c, count, w, top_k, top_p * total, &head, &head_mass);
+    qsort(c + head, (size_t)(count - head), sizeof *c, by_logit_then_id);
     int64_t kept = top_k && top_k < count ? top_k : count;
-    double z = 0.0;
-    for (int64_t i = 0; i < kept; i++) z += w[c[i].id];
-    if (!top_k) z += total - masses[f] > 0.0 ? total - masses[f] : 0.0; /* the rest of the row counts for top-p */
-    if (top_p < 1.0) {
-        double before = w[c[0].id] / z;
-        int64_t i = 1;
+    double z = total; /* without top-k, top-p's probabilities are over the whole row */
+    if (top_k) {
+        z = 0.0;
+        for (int64_t i = 0; i < kept; i++) z += w[c[i].id];
+    }
+    if (top_p < 1.0) { /* the best is always kept, and everything before the cut's bucket */
+        int64_t i = head ? head : 1;
+        double before = (head ? head_mass : w[c[0].id]) / z;
         for (; i < kept && before < top_p; i++) before += w[c[i].id] / z;
         kept = i;
     }
