@@ -60,6 +60,7 @@ class CpuKernels:
         self.prefill_bf16 = bool(prefill) and bool(lib.prefill_bf16_products())
         self._add_rms_norm = _bind(lib.add_rms_norm_f32, [_ptr, _ptr, _ptr, f, _ptr, _i64, _i64, c_int])
         self._rope = _bind(lib.rope_f32, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, c_int])
+        self._rope_angles = _bind(lib.rope_angles_f32, [_ptr, _i64, _ptr, _i64, _ptr, _ptr])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
         self._argmax = _bind(lib.argmax_rows_f32, [_ptr, _i64, _i64, _ptr])
         self._sample = _bind(lib.sample_rows_f32, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr], restype=c_int)
@@ -170,6 +171,16 @@ class CpuKernels:
         """x: [T, heads, D], heads contiguous, rotated in place; cos, sin: [T, D / 2] contiguous."""
         num_rows, num_heads, head_dim = x.shape
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), num_rows, num_heads, head_dim, _threads())
+
+    def rope_angles(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] int64, inv_freq: [D / 2] float32, both contiguous -> cos, sin: [T, D / 2]
+        float32 of each position's angles (model.rope_cos_sin's, within an ulp; the fused decode
+        step computes the same)."""
+        cos = torch.empty(positions.shape[0], inv_freq.shape[0])
+        sin = torch.empty_like(cos)
+        self._rope_angles(positions.data_ptr(), positions.shape[0], inv_freq.data_ptr(), inv_freq.shape[0],
+                          cos.data_ptr(), sin.data_ptr())  # fmt: skip
+        return cos, sin
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2n] contiguous -> [T, n] = silu(gate) * up."""

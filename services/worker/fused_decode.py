@@ -1,16 +1,17 @@
-"""A step of single-token queries through every layer in one native call (csrc/decode_step.c).
+"""A decode step through the whole model in one native call (csrc/decode_step.c).
 
 At batch 1 a layer's kernels take tens of microseconds and the trips to them from Python (a
-ctypes call, an output tensor and a module dispatch for each of ten ops) about as long again.
-`run` hands the whole stack of layers to one C function that calls the same kernels in the
-same order with the same arguments, so the residual stream and the pool come out the same to
-the bit as layer by layer (tests/worker/test_fused_decode.py); the embedding before and the
-final norm and head after stay in model.py.
+ctypes call, an output tensor and a module dispatch for each of ten ops) about as long again;
+after a step has streamed the weights through the caches, each small torch op around the
+layers (the embedding, the rotary angles, the final norm) costs 25-50 us more. `run` hands the
+embedding, every layer, the final norm and the head to one C function that calls the same
+kernels in the same order with the same arguments as the model's forward, so the logits and
+the pool come out the same to the bit (tests/worker/test_fused_decode.py).
 
-It applies on the CPU with the native kernels built, float32 activations, a float32 or bfloat16
-KV pool, no tensor parallelism, a step whose rows are all decodes, and every matmul one the
-kernels run for that many rows (quantized, bf16, float32 panels or AMX tiles); elsewhere `run`
-returns False and the model runs layer by layer.
+It applies on the CPU with the native kernels built, a float32 embedding and residual stream, a
+float32 or bfloat16 KV pool, no tensor parallelism, a step whose rows are all decodes, and every
+matmul, the head's included, one the kernels run for that many rows (quantized, bf16, float32
+panels or AMX tiles); elsewhere `run` returns None and the model runs op by op.
 """
 
 from __future__ import annotations
@@ -28,17 +29,17 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 LAYER_WORDS = 18  # csrc/decode_step.c: in_norm, post_norm, then 4 words per matmul (qkv, o, gate_up, down)
 
 
-def run(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv_pool: torch.Tensor) -> int:
-    """x: [T, hidden], the embedded tokens, becomes the residual stream after the last layer (in
-    place) and this step's K/V go into kv_pool, as the layers would. Returns the number of
-    threads it ran on, or 0 (nothing touched) where the fused call does not apply."""
-    native = cpu_kernels.for_tensor(x)
-    num_rows = x.shape[0]
-    if native is None or not _qualifies(model, native, x, cos, sin, meta, kv_pool):
-        return 0
-    layers = _descriptors(model, num_rows)
-    if layers is None:
-        return 0
+def run(model, token_ids: torch.Tensor, positions: torch.Tensor, meta, kv_pool: torch.Tensor, sample_rows: torch.Tensor):
+    """The model's forward for a step of decodes: logits [S, vocab] float32 of `sample_rows`,
+    this step's K/V written into kv_pool; None (nothing touched) where the fused call does not
+    apply. A token id out of the embedding's range raises IndexError, as the forward's lookup does."""
+    native = cpu_kernels.kernels() if kv_pool.device.type == "cpu" else None
+    num_rows, num_samples = token_ids.shape[0], sample_rows.shape[0]
+    if native is None or not _qualifies(model, native, token_ids, positions, sample_rows, meta, kv_pool):
+        return None
+    layers, ends = _descriptors(model, num_rows), _ends(model, num_samples)
+    if layers is None or ends is None:
+        return None
     cfg, batch = model.cfg, meta.decodes
     first = model.layers[0]
     dims = (_i64 * 12)(
@@ -46,20 +47,24 @@ def run(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, kv_p
         kv_pool.shape[3], kv_pool.stride(1), kv_pool.stride(0), kv_pool.stride(2), batch.block_ids.shape[1],
         cpu_kernels.is_bf16(kv_pool),
     )  # fmt: skip
+    logits = torch.empty(num_samples, model.lm_head.out_features)
     torch_threads = torch.get_num_threads()
-    span_threads = 0 if first.batch_invariant else torch_threads  # as layer by layer (0: fixed spans)
+    span_threads = 0 if first.batch_invariant else torch_threads  # as the forward's (0: fixed spans)
     chooser = model.__dict__.setdefault("_decode_threads", ThreadChoice())
     threads = chooser.pick(num_rows, torch_threads)
     start = time.perf_counter()
-    failed = _entry(native)(
-        layers, len(model.layers), dims, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_pool.data_ptr(),
-        meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(), batch.block_ids.data_ptr(),
-        batch.context_lens.data_ptr(), first.eps, first.head_dim**-0.5, span_threads, threads,
+    status = _entry(native)(
+        layers, len(model.layers), dims, ends, token_ids.data_ptr(), positions.data_ptr(), sample_rows.data_ptr(),
+        num_samples, logits.data_ptr(), kv_pool.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
+        batch.block_ids.data_ptr(), batch.context_lens.data_ptr(), first.eps, first.head_dim**-0.5, span_threads,
+        threads,
     )  # fmt: skip
     chooser.record(num_rows, threads, time.perf_counter() - start)
-    if failed:
+    if status == -2:
+        raise IndexError(f"a token id or sample row out of range in a {num_rows}-row decode step")
+    if status:
         raise MemoryError(f"no memory for the scratch of a {num_rows}-row decode step")
-    return threads
+    return logits
 
 
 class ThreadChoice:
@@ -103,24 +108,26 @@ class ThreadChoice:
             self._times.setdefault((num_rows, threads), collections.deque(maxlen=self.WINDOW)).append(seconds)
 
 
-def _qualifies(model, native, x, cos, sin, meta, kv_pool) -> bool:
-    num_rows = x.shape[0]
+def _qualifies(model, native, token_ids, positions, sample_rows, meta, kv_pool) -> bool:
+    num_rows = token_ids.shape[0]
     first = model.layers[0]
     batch = meta.decodes
     if meta.prefills or meta.num_decodes != num_rows or batch is None or first.all_reduce is not None:
         return False
-    if not (native.applies_kv(kv_pool) and kv_pool.dim() == 6 and x.is_contiguous()):
+    if model.lm_head is None or not native.applies_kv(kv_pool) or kv_pool.dim() != 6:
         return False
     _, _, _, block_size, num_kv, head_dim = kv_pool.shape
-    longs = (meta.slot_blocks, meta.slot_offsets, batch.block_ids, batch.context_lens)
+    longs = (token_ids, positions, sample_rows, meta.slot_blocks, meta.slot_offsets, batch.block_ids, batch.context_lens)
+    floats = (model.embed, model.norm, model._rope_inv_freq(kv_pool.device))
     return (
         kv_pool.stride()[3:] == (num_kv * head_dim, head_dim, 1)
         and num_kv == first.num_kv_heads
         and head_dim == first.head_dim
         and first.num_heads <= native.max_heads
         and head_dim <= native.max_head_dim
+        and positions.shape == (num_rows,)
         and all(t.dtype == torch.long and t.device.type == "cpu" and t.is_contiguous() for t in longs)
-        and all(native.applies(t) and t.is_contiguous() and t.shape == (num_rows, head_dim // 2) for t in (cos, sin))
+        and all(native.applies(t) and t.is_contiguous() for t in floats)
     )
 
 
@@ -142,9 +149,24 @@ def _descriptors(model, num_rows: int):
     return cache[num_rows]
 
 
+def _ends(model, num_samples: int):
+    """The words around the layers (csrc/decode_step.c's `ends`) for a head of `num_samples` rows
+    (cached per count); None where the head's matmul would run in torch."""
+    cache = model.__dict__.setdefault("_fused_ends", {})
+    if num_samples not in cache:
+        head = model.lm_head.native(num_samples)
+        inv_freq = model._rope_inv_freq(torch.device("cpu"))
+        cache[num_samples] = head and (_i64 * 9)(
+            model.embed.data_ptr(), model.embed.shape[0], inv_freq.data_ptr(), model.norm.data_ptr(),
+            model.lm_head.out_features, *head,
+        )  # fmt: skip
+    return cache[num_samples]
+
+
 def _entry(native):
-    fn = native.lib.decode_layers_f32
+    fn = native.lib.decode_step_f32
     if fn.argtypes is None:
         fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _i64, _ptr] + [_ptr] * 8 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64] + [_ptr] * 6
+        fn.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return fn

@@ -64,6 +64,7 @@ class Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor | cpu_quant.QuantWeight, bias: torch.Tensor | None, gated: bool = False):
         super().__init__()
+        self.out_features = weight.shape[0]  # W: [out, in]
         self.bias = None if bias is None else _param(bias)
         self.gated = gated
         self.quant = None
@@ -347,17 +348,28 @@ class LlamaModel(nn.Module):
         token_ids, positions: [T]; kv_pool: [num_blocks, num_layers, 2, block_size, KV, D];
         sample_rows: [S] row indices into T. Returns [S, vocab] float32.
         """
+        # A step of decodes only: embedding, every layer, final norm and head in one native call
+        # where it applies (fused_decode.py), else op by op.
+        logits = fused_decode.run(self, token_ids, positions, meta, kv_pool, sample_rows) if self.fused_decode else None
+        if logits is not None:
+            return logits
         x = F.embedding(token_ids, self.embed)  # [T, hidden]
-        cos, sin = rope_cos_sin(positions, self._rope_inv_freq(positions.device), x.dtype)  # [T, D/2]
-        # A step of decodes only: every layer in one native call where it applies, else layer by layer.
-        # The head then runs on as many threads as the layers did (fused_decode.ThreadChoice).
-        threads = fused_decode.run(self, x, cos, sin, meta, kv_pool) if self.fused_decode else 0
-        if not threads:
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, kv_pool[:, i], meta)
+        cos, sin = self._rope(positions, x.dtype)  # [T, D/2]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_pool[:, i], meta)
         h = add_rms_norm_(x[sample_rows], None, self.norm, self.cfg.rms_norm_eps)  # [S, hidden]
-        logits = self.lm_head(h, threads or None) if self.lm_head is not None else F.linear(h, self.embed)
+        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed)
         return logits.float()  # [S, V]
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, head_dim / 2] of each position, in `dtype`. On CPU with the native kernels
+        from glibc's cosf and sinf, as the fused decode step takes them (the same bits either way)."""
+        inv_freq = self._rope_inv_freq(positions.device)
+        native = cpu_kernels.for_tensor(inv_freq)
+        if native is None or positions.dtype != torch.long or not positions.is_contiguous():
+            return rope_cos_sin(positions, inv_freq, dtype)
+        cos, sin = native.rope_angles(positions, inv_freq)
+        return cos.to(dtype), sin.to(dtype)
 
     def _rope_inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:

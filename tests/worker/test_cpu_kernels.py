@@ -46,6 +46,20 @@ def test_rope_matches_torch(rows, torch_path):
     assert torch.equal(native[:, (heads + kv) * d :], qkv[:, (heads + kv) * d :])
 
 
+def test_rope_angles_match_torch():
+    """The rotary angles of positions up to a long context, on frequencies from 1 to 1e-6 (large
+    angles: cosf's range reduction), within an ulp or two of torch's cos and sin."""
+    native = cpu_kernels.kernels()
+    if native is None:
+        pytest.skip("native CPU kernels not built here")
+    positions = torch.tensor([0, 1, 7, 511, 4096, 32767, 131071])
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, 64, 2).float() / 64)
+    got_cos, got_sin = native.rope_angles(positions, inv_freq)
+    want_cos, want_sin = model.rope_cos_sin(positions, inv_freq, torch.float32)
+    torch.testing.assert_close(got_cos, want_cos, rtol=0, atol=3e-7)
+    torch.testing.assert_close(got_sin, want_sin, rtol=0, atol=3e-7)
+
+
 @pytest.mark.parametrize("rows", [1, 8, 100])
 def test_silu_and_mul_matches_torch(rows, torch_path):
     gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4

@@ -1,5 +1,5 @@
-"""Decode steps through every layer in one native call (fused_decode.py) against the same model
-layer by layer: the same logits and the same pool, to the bit, for packed and float32 weights."""
+"""Decode steps through the whole model in one native call (fused_decode.py) against the same
+model op by op: the same logits and the same pool, to the bit, for packed and float32 weights."""
 
 from __future__ import annotations
 
@@ -112,14 +112,25 @@ def test_thread_choice_takes_the_faster_count_and_still_tries_the_other():
 
 
 def test_fused_decode_declines_prefill_and_mixed_steps(gguf_model, cfg):
-    """A step with a prefill chunk is left to the layers: nothing written, False returned."""
+    """A step with a prefill chunk is left to the layers: nothing written, None returned."""
     pool = allocate_kv_pool(cfg, 8, BLOCK_SIZE, torch.float32, "cpu")
     for num_new in ([5], [1, 5]):
         tables = [[i] for i in range(len(num_new))]
         meta = build_metadata([3] * len(num_new), num_new, tables, BLOCK_SIZE, "cpu")
         rows = sum(num_new)
-        x = torch.randn(rows, cfg.hidden_size)
-        cos, sin = torch.ones(rows, cfg.head_dim // 2), torch.zeros(rows, cfg.head_dim // 2)
-        before = x.clone()
-        assert not fused_decode.run(gguf_model, x, cos, sin, meta, pool)
-        assert torch.equal(x, before) and not pool.any()
+        ids, positions = torch.full((rows,), 7), torch.arange(rows) + 3
+        assert fused_decode.run(gguf_model, ids, positions, meta, pool, torch.tensor([rows - 1])) is None
+        assert not pool.any()
+
+
+def test_fused_decode_refuses_a_token_id_past_the_vocabulary(gguf_model, cfg):
+    """An id the embedding has no row for fails the step as the forward's lookup does (IndexError),
+    before anything is written."""
+    pool = allocate_kv_pool(cfg, 8, BLOCK_SIZE, torch.float32, "cpu")
+    meta = build_metadata([3, 3], [1, 1], [[0], [1]], BLOCK_SIZE, "cpu")
+    for bad in (cfg.vocab_size, -1):
+        with pytest.raises(IndexError):
+            fused_decode.run(gguf_model, torch.tensor([7, bad]), torch.tensor([3, 3]), meta, pool, torch.arange(2))
+        assert not pool.any()
+    logits = fused_decode.run(gguf_model, torch.tensor([7, 8]), torch.tensor([3, 3]), meta, pool, torch.arange(2))
+    assert logits.shape == (2, cfg.vocab_size) and pool.any()

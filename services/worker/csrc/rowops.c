@@ -32,6 +32,20 @@ void add_rms_norm_f32(float *x, const float *delta, const float *w, float eps, f
     }
 }
 
+/* The rotary angles of each position: cos[r, i] = cos(positions[r] * inv_freq[i]), sin likewise,
+ * [T, half] each, the angle rounded to float32 first as model.rope_cos_sin's is. Scalar cosf and
+ * sinf (glibc's, within an ulp): the layers and the fused decode step (decode_step.c) both take
+ * their angles from here, so the two give the same bits. */
+void rope_angles_f32(const int64_t *positions, int64_t num_rows, const float *inv_freq, int64_t half, float *cos,
+                     float *sin) {
+    for (int64_t r = 0; r < num_rows; r++)
+        for (int64_t i = 0; i < half; i++) {
+            const float a = (float)positions[r] * inv_freq[i];
+            cos[r * half + i] = cosf(a);
+            sin[r * half + i] = sinf(a);
+        }
+}
+
 /* Rotary embedding, half-split layout (HF's rotate_half), in place on the first `num_heads`
  * heads of each row: x: rows `row_stride` floats apart, heads `head_dim` apart; cos, sin:
  * [T, head_dim / 2] (the angles of each position). */
