@@ -226,11 +226,9 @@ class CpuKernels:
         pairs = weight[:paired].reshape(-1, 2 * self.panel, num_in).transpose(1, 2)
         return torch.cat([pairs.reshape(-1), weight[paired:].t().reshape(-1)])
 
-    def linear(
-        self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
-    ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] (rows contiguous) . W^T (+ bias) -> [M, N], W packed by `pack_panels`."""
-        return _linear(self._linear, x, panels, panels.numel() // x.shape[1], bias, threads)
+        return _linear(self._linear, x, panels, panels.numel() // x.shape[1], bias)
 
     # ------------------------------------------------------------ prefill matmul (AMX, bf16x3)
 
@@ -297,13 +295,11 @@ class CpuKernels:
 
 
 def _linear(
-    kernel, x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None, threads: int | None = None,
-    out_cols: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+    kernel, x: torch.Tensor, packed: torch.Tensor, num_out: int, bias: torch.Tensor | None, out_cols: int | None = None
+) -> torch.Tensor:
     """y = x . W^T (+ bias) through a native matmul taking (x, ldx, W, bias, y, ldy, M, N, K,
-    threads), on `threads` threads (default torch's; the result is the same on any count); a
-    kernel that returns nonzero could not allocate its scratch. y has `out_cols` columns where
-    the kernel writes fewer than W's N rows (default N)."""
+    threads), on torch's thread count; a kernel that returns nonzero could not allocate its
+    scratch. y has `out_cols` columns where the kernel writes fewer than W's N rows (default N)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_rows, num_in = x.shape
@@ -311,7 +307,7 @@ def _linear(
     b = 0 if bias is None else bias.data_ptr()
     failed = kernel(
         x.data_ptr(), x.stride(0), packed.data_ptr(), b, y.data_ptr(), y.shape[1],
-        num_rows, num_out, num_in, threads or _threads(),
+        num_rows, num_out, num_in, _threads(),
     )  # fmt: skip
     if failed:
         raise MemoryError(f"no memory for the scratch of a [{num_rows}, {num_in}] matmul input")

@@ -167,10 +167,10 @@ def _kernel(name: str):
     return fn
 
 
-def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None, threads: int | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) . W^T (+ bias) -> [M, N] float32; gated: [M, N / 2] = silu(gate) * up."""
     out_cols = packed.num_out // 2 if packed.gated else packed.num_out
-    return cpu_kernels._linear(_kernel(kernel_name(packed)), x, packed.data, packed.num_out, bias, threads, out_cols)
+    return cpu_kernels._linear(_kernel(kernel_name(packed)), x, packed.data, packed.num_out, bias, out_cols)
 
 
 def set_float_rows(rows: int) -> int:

@@ -85,22 +85,21 @@ class Linear(nn.Module):
         # [in, out]: wherever the panels do not replace it.
         self.weight = _param(weight.t().contiguous()) if panels is None else None
 
-    def forward(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        """x: [T, in] -> [T, out] ([T, out / 2] where gated); `threads` runs the quantized and
-        panel kernels on that many threads instead of torch's count (the same result)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in] -> [T, out] ([T, out / 2] where gated)."""
         if self.quant is not None and self.quant.gated:
-            return cpu_quant.linear(x, self.quant, self.bias, threads)
-        y = self._product(x, threads)
+            return cpu_quant.linear(x, self.quant, self.bias)
+        y = self._product(x)
         return silu_and_mul(y) if self.gated else y
 
-    def _product(self, x: torch.Tensor, threads: int | None) -> torch.Tensor:
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.quant is not None:
-            return cpu_quant.linear(x, self.quant, self.bias, threads)
+            return cpu_quant.linear(x, self.quant, self.bias)
         if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
             return cpu_kernels.kernels().linear_bf16x3(x, self.tiles, self.bias)
         if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
-            return cpu_kernels.kernels().linear(x, self.panels, self.bias, threads)
+            return cpu_kernels.kernels().linear(x, self.panels, self.bias)
         if self.packed is not None and (rows > self.GEMV_MAX_ROWS or self.weight is None):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
