@@ -26,7 +26,6 @@ FORMATS = ("q8_0", "q4_0", "q4_1")  # GGUF's, served as they are
 WEIGHT_FORMATS = (*FORMATS, "bf16")  # bf16: raw is the [N, K] bfloat16 matrix itself
 BLOCK = 32  # inputs per block, every format
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-_BITS = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "bf16": 16}
 
 
 def _ggml_type(kind: str):
@@ -81,7 +80,8 @@ def cat(parts: list[QuantWeight]) -> QuantWeight:
 
 @dataclass
 class PackedQuant:
-    """A weight in the kernel's panels: data [N / 16 * K / 32 * bytes per panel-block] uint8.
+    """A weight in the kernel's panels (csrc/quant_matmul.c has the layout): data uint8, N / 16
+    panels of equal size.
     gated: an MLP's gate and up rows packed for linear_bf16_gated (silu(gate) * up, N / 2 columns)."""
 
     kind: str
@@ -116,19 +116,26 @@ def pack(weight: QuantWeight, gated: bool = False) -> PackedQuant | None:
     blk = weight.raw.numpy().reshape(num_out, blocks, _BLOCK_BYTES[weight.kind])
     d = blk[..., 0:2].copy().view(np.float16)[..., 0]  # [N, blocks]
     if weight.kind == "q4_1":
-        m, qs = blk[..., 2:4].copy().view(np.float16)[..., 0], blk[..., 4:20]
+        qs = blk[..., 4:20]
     elif weight.kind == "q4_0":
-        m, qs = (d.astype(np.float32) * -8).astype(np.float16), blk[..., 2:18]
+        qs = blk[..., 2:18]
     else:
-        m = (d.astype(np.float32) * -128).astype(np.float16)
         qs = (blk[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     # qs [N, blocks, 16 or 32] -> [panel, block, vector i, column c, r]: byte 4i + r of column c
     groups = qs.shape[-1] // 4
     q = qs.reshape(panels, 16, blocks, groups, 4).transpose(0, 2, 3, 1, 4).reshape(panels, blocks, -1)
-    scales = np.concatenate([d.reshape(panels, 16, blocks), m.reshape(panels, 16, blocks)], axis=1)  # [P, 32, B]
-    scales = np.ascontiguousarray(scales.transpose(0, 2, 1)).view(np.uint8)  # [P, B, 64]
-    data = np.ascontiguousarray(np.concatenate([q, scales], axis=-1)).reshape(-1)
-    return PackedQuant(weight.kind, torch.from_numpy(data), num_out, num_in)
+    ds = np.ascontiguousarray(d.reshape(panels, 16, blocks).transpose(0, 2, 1)).view(np.uint8)  # [P, B, 32]
+    if weight.kind == "q4_1":  # each block's q, then its 16 d and 16 m
+        m = blk[..., 2:4].copy().view(np.float16)[..., 0]
+        ms = np.ascontiguousarray(m.reshape(panels, 16, blocks).transpose(0, 2, 1)).view(np.uint8)
+        data = np.concatenate([q, ds, ms], axis=-1).reshape(-1)
+    else:  # blocks in pairs: both blocks' 16 d, then their q (m = -2^(bits-1) d, computed)
+        odd = blocks % 2
+        if odd:  # the last block: its d, 32 bytes of padding (a zero block's d), its q
+            q, ds = (np.concatenate([a, np.zeros_like(a[:, :1])], axis=1) for a in (q, ds))
+        pairs = np.concatenate([ds.reshape(panels, -1, 64), q.reshape(panels, -1, 2 * q.shape[-1])], axis=-1)
+        data = pairs.reshape(panels, -1)[:, : pairs[0].size - odd * q.shape[-1]].reshape(-1)
+    return PackedQuant(weight.kind, torch.from_numpy(np.ascontiguousarray(data)), num_out, num_in)
 
 
 def pair_gate_up(t: torch.Tensor) -> torch.Tensor:
@@ -150,12 +157,12 @@ def bf16_fast() -> bool:
     return native is not None and bool(native.lib.bf16_matmul_path(0))
 
 
-_KERNELS = {4: "linear_q4", 8: "linear_q8", 16: "linear_bf16"}  # by bits per weight
+_KERNELS = {"q4_1": "linear_q4", "q4_0": "linear_q4_0", "q8_0": "linear_q8", "bf16": "linear_bf16"}
 
 
 def kernel_name(packed: PackedQuant) -> str:
     """The library's matmul for `packed`."""
-    return _KERNELS[_BITS[packed.kind]] + ("_gated" if packed.gated else "")
+    return _KERNELS[packed.kind] + ("_gated" if packed.gated else "")
 
 
 @functools.cache

@@ -2,19 +2,27 @@
  * the kernel: y[M, N] = x[M, K] . W^T (+ bias).
  *
  * Every format is held as w = d * q + m per block of 32 inputs of one output column, q unsigned
- * (4 or 8 bits), d and m float16: Q4_1 as it is, Q4_0 with m = -8 d, Q8_0 with q + 128 and
- * m = -128 d. The activations are quantized per row and block too, as llama.cpp's q8 dot products
- * do: x = dx * xq, xq int8, dx = max|x| / 127. A block then sums as
+ * (4 or 8 bits), d and m float16: Q4_1 as it is; Q4_0 and Q8_0 (q + 128) with m = -2^(bits-1) d,
+ * which the kernel computes (exactly: a power of two) instead of reading. The activations are
+ * quantized per row and block too, as llama.cpp's q8 dot products do: x = dx * xq, xq int8,
+ * dx = max|x| / 127. A block then sums as
  *     sum_k w_k x_k = d dx sum_k q_k xq_k + m dx sum_k xq_k
  * with the first sum exact in int32 (vpdpbusd: unsigned q times signed xq, 64 products an
  * instruction) and the second known per row and block before the matmul starts.
  *
- * Packed layout (services/worker/cpu_quant.py writes it), per panel of 16 output columns and per
- * block of 32 inputs, QBYTES(bits) bytes:
+ * Packed layout (services/worker/cpu_quant.py writes it), per panel of 16 output columns, its
+ * blocks of 32 inputs in order, each block's q in QB(bits) bytes:
  *   4 bits: 4 x 64 bytes; byte c * 4 + r of vector i holds column c's inputs 4i + r (low nibble)
  *           and 16 + 4i + r (high nibble) -- GGUF's own nibble order, so packing only transposes;
  *   8 bits: 8 x 64 bytes; byte c * 4 + r of vector g holds column c's input 4g + r;
- *   then 16 float16 d and 16 float16 m, one per column.
+ * and the scales, one float16 per column: with m (Q4_1), after each block's q its 16 d and 16 m;
+ * without (Q4_0, Q8_0), blocks in pairs: both blocks' 16 d (64 bytes), then the two blocks' q (a
+ * last odd block: its d, 32 bytes of padding, its q). So each block's q stays 64-byte aligned
+ * (Q8_0 takes 544 bytes a block, not 576; Q4_0 288, not 320) and a panel is still read front to
+ * back in one stream. Against the m read from memory, one-row steps of the bundled model in
+ * alternating processes: Q8_0 6.8-8.1 -> 4.9-5.5 ms, Q4_0 3.0-4.4 -> 2.8-3.5 ms. (All the panel's
+ * d at its end, or all at its start, made Q4_0 the slowest format at one row: 4.6-5.2 ms against
+ * Q4_1's 3.5-3.8.)
  * So one 64-byte load is a vpdpbusd operand for 16 columns x 4 inputs, and 4 consecutive int8
  * activations, read as one int32, its broadcast partner. A work item is one panel by up to
  * QTILE rows, whose 16-column float accumulators stay in registers across the blocks.
@@ -36,8 +44,25 @@
 static int force_portable = 0;
 static int dequant_rows = 0; /* steps of at most this many rows take the float32 path (0: never) */
 
-/* Bytes per panel and block. */
-static inline int64_t qbytes(int bits) { return (bits == 4 ? 256 : 512) + 64; }
+/* Bytes of q per panel and block. */
+static inline int64_t qb(int bits) { return bits == 4 ? 256 : 512; }
+
+/* Bytes per panel of nb blocks. */
+static inline int64_t panel_bytes(int bits, int has_m, int64_t nb) {
+    return has_m ? nb * (qb(bits) + 64) : (nb + 1) / 2 * 64 + nb * qb(bits);
+}
+
+/* Block b's q, and its 16 d (then its 16 m where has_m). */
+static inline const uint8_t *block_q(const uint8_t *w, int bits, int has_m, int64_t b) {
+    return has_m ? w + b * (qb(bits) + 64) : w + b / 2 * (64 + 2 * qb(bits)) + 64 + b % 2 * qb(bits);
+}
+static inline const uint16_t *block_d(const uint8_t *w, int bits, int has_m, int64_t b) {
+    const uint8_t *d = has_m ? w + b * (qb(bits) + 64) + qb(bits) : w + b / 2 * (64 + 2 * qb(bits)) + b % 2 * 32;
+    return (const uint16_t *)d;
+}
+
+/* m per unit of d where the format computes it: q is unsigned, stored 2^(bits-1) up. */
+static inline float m_per_d(int bits) { return -(float)(1 << (bits - 1)); }
 
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -78,15 +103,15 @@ static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, float
 
 /* Portable: rows [0, M) of one panel. */
 static void panel_portable(const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *w,
-                           int bits, const float *bias, float *y, int64_t ldy, int64_t M) {
-    const int64_t nb = K / QBLOCK, bb = qbytes(bits), scales = bb - 64;
+                           int bits, int has_m, const float *bias, float *y, int64_t ldy, int64_t M) {
+    const int64_t nb = K / QBLOCK;
     for (int64_t r = 0; r < M; r++) {
         float acc[16];
         for (int c = 0; c < 16; c++) acc[c] = bias ? bias[c] : 0.0f;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *wb = w + b * bb;
+            const uint8_t *wb = block_q(w, bits, has_m, b);
             const int8_t *xb = xq + r * K + b * QBLOCK;
-            const uint16_t *dm = (const uint16_t *)(wb + scales);
+            const uint16_t *dm = block_d(w, bits, has_m, b);
             for (int c = 0; c < 16; c++) {
                 int32_t s = 0;
                 for (int k = 0; k < QBLOCK; k++) {
@@ -99,7 +124,8 @@ static void panel_portable(const int8_t *xq, const float *dx, const float *sx, i
                     }
                     s += q * xb[k];
                 }
-                acc[c] += half_to_float(dm[c]) * dx[r * nb + b] * (float)s + half_to_float(dm[16 + c]) * sx[r * nb + b];
+                const float d = half_to_float(dm[c]), m = has_m ? half_to_float(dm[16 + c]) : m_per_d(bits) * d;
+                acc[c] += d * dx[r * nb + b] * (float)s + m * sx[r * nb + b];
             }
         }
         for (int c = 0; c < 16; c++) y[r * ldy + c] = acc[c];
@@ -114,8 +140,9 @@ static void panel_portable(const int8_t *xq, const float *dx, const float *sx, i
 /* M rows (a compile-time constant <= QTILE) of one panel. */
 static inline __attribute__((always_inline)) void panel_vnni(const int8_t *xq, const float *dx, const float *sx,
                                                             int64_t K, const uint8_t *w, const int bits,
-                                                            const float *bias, float *y, int64_t ldy, const int M) {
-    const int64_t nb = K / QBLOCK, bb = qbytes(bits), scales = bb - 64;
+                                                            const int has_m, const float *bias, float *y,
+                                                            int64_t ldy, const int M) {
+    const int64_t nb = K / QBLOCK;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[QTILE];
     const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -125,7 +152,8 @@ static inline __attribute__((always_inline)) void panel_vnni(const int8_t *xq, c
          * prefetchers keep ahead; prefetching every line 4 blocks on made the 121 one-row matmuls
          * of a step 8-15% slower on one thread (Q4 and Q8 layouts, alternating in one process, two
          * runs) and no faster on two, and into L2 8 or 16 blocks on was no better. */
-        const uint8_t *wb = w + b * bb;
+        const uint8_t *wb = block_q(w, bits, has_m, b);
+        const uint16_t *ds = block_d(w, bits, has_m, b);
         __m512i wv[8];
         if (bits == 4) { /* high nibbles kept in place (16 q): their sums are shifted back once, exactly */
             for (int i = 0; i < 4; i++) {
@@ -136,8 +164,9 @@ static inline __attribute__((always_inline)) void panel_vnni(const int8_t *xq, c
         } else {
             for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512(wb + 64 * g);
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + scales)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + scales + 32)));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ds));
+        const __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ds + 16)))
+                               : _mm512_mul_ps(d, _mm512_set1_ps(m_per_d(bits)));
         for (int r = 0; r < M; r++) {
             const int32_t *x4 = (const int32_t *)(xq + r * K + b * QBLOCK);
             /* s0: inputs 0-15 (4 bits: the low nibbles), s1: 16-31 (4 bits: 16x, from the high ones in place) */
@@ -173,20 +202,22 @@ static const uint8_t DEQ_PERM[64] __attribute__((aligned(64))) = {
     } while (0)
 
 static inline __attribute__((always_inline)) void panel_deq(const float *x, int64_t ldx, int64_t K, const uint8_t *w,
-                                                           const int bits, const float *bias, float *y, int64_t ldy,
-                                                           const int M) {
-    const int64_t nb = K / QBLOCK, bb = qbytes(bits), scales = bb - 64;
+                                                           const int bits, const int has_m, const float *bias,
+                                                           float *y, int64_t ldy, const int M) {
+    const int64_t nb = K / QBLOCK, bb = qb(bits) + (has_m ? 64 : 0);
     const __m512i low = _mm512_set1_epi8(0x0f), perm = _mm512_load_si512(DEQ_PERM);
     __m512 acc[DEQ_ROWS];
     const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     for (int i = 0; i < M; i++) acc[i] = b0;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = w + b * bb;
+        const uint8_t *wb = block_q(w, bits, has_m, b);
+        const uint16_t *ds = block_d(w, bits, has_m, b);
         _mm_prefetch((const char *)(wb + 4 * bb), _MM_HINT_T0);
         _mm_prefetch((const char *)(wb + 4 * bb + 128), _MM_HINT_T0);
         _mm_prefetch((const char *)(wb + 4 * bb + 256), _MM_HINT_T0);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + scales)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + scales + 32)));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ds));
+        const __m512 m = has_m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ds + 16)))
+                               : _mm512_mul_ps(d, _mm512_set1_ps(m_per_d(bits)));
         for (int v = 0; v < 8; v++) {
             /* vector v: 4 bits, v < 4 the low nibbles of vector v, else the high ones of v - 4 */
             const __m512i raw = _mm512_loadu_si512(wb + 64 * (bits == 4 ? v % 4 : v));
@@ -202,22 +233,27 @@ static inline __attribute__((always_inline)) void panel_deq(const float *x, int6
     for (int i = 0; i < M; i++) _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
 
-static void panel_deq_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int bits, const float *bias,
-                           float *y, int64_t ldy, int64_t M) {
-#define DCASE(rows) \
-    case rows: if (bits == 4) panel_deq(x, ldx, K, w, 4, bias, y, ldy, rows); else panel_deq(x, ldx, K, w, 8, bias, y, ldy, rows); break;
+static void panel_deq_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int bits, int has_m,
+                           const float *bias, float *y, int64_t ldy, int64_t M) {
+#define DCASE(rows)                                                                          \
+    case rows:                                                                               \
+        if (has_m) panel_deq(x, ldx, K, w, 4, 1, bias, y, ldy, rows);                       \
+        else if (bits == 4) panel_deq(x, ldx, K, w, 4, 0, bias, y, ldy, rows);              \
+        else panel_deq(x, ldx, K, w, 8, 0, bias, y, ldy, rows);                             \
+        break;
     switch (M) { DCASE(1) DCASE(2) DCASE(3) DCASE(4) }
 #undef DCASE
 }
 
 #define QCASE(rows)                                                                 \
     case rows:                                                                      \
-        if (bits == 4) panel_vnni(xq, dx, sx, K, w, 4, bias, y, ldy, rows);         \
-        else panel_vnni(xq, dx, sx, K, w, 8, bias, y, ldy, rows);                   \
+        if (has_m) panel_vnni(xq, dx, sx, K, w, 4, 1, bias, y, ldy, rows);          \
+        else if (bits == 4) panel_vnni(xq, dx, sx, K, w, 4, 0, bias, y, ldy, rows); \
+        else panel_vnni(xq, dx, sx, K, w, 8, 0, bias, y, ldy, rows);                \
         break;
 
 static void panel_vnni_rows(const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *w,
-                            int bits, const float *bias, float *y, int64_t ldy, int64_t M) {
+                            int bits, int has_m, const float *bias, float *y, int64_t ldy, int64_t M) {
     switch (M) { QCASE(1) QCASE(2) QCASE(3) QCASE(4) QCASE(5) QCASE(6) QCASE(7) QCASE(8) }
 }
 #pragma GCC pop_options
@@ -234,11 +270,11 @@ static int have_vbmi(void) {
 #else
 static int have_vnni(void) { return 0; }
 static int have_vbmi(void) { return 0; }
-static void panel_deq_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int bits, const float *bias,
-                           float *y, int64_t ldy, int64_t M) {}
+static void panel_deq_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int bits, int has_m,
+                           const float *bias, float *y, int64_t ldy, int64_t M) {}
 static void panel_vnni_rows(const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *w,
-                            int bits, const float *bias, float *y, int64_t ldy, int64_t M) {
-    panel_portable(xq, dx, sx, K, w, bits, bias, y, ldy, M);
+                            int bits, int has_m, const float *bias, float *y, int64_t ldy, int64_t M) {
+    panel_portable(xq, dx, sx, K, w, bits, has_m, bias, y, ldy, M);
 }
 #endif
 
@@ -256,16 +292,16 @@ int quant_matmul_dequant_rows(int rows) {
     return dequant_rows;
 }
 
-/* x: [M, K] rows ldx apart; w: packed, [N / 16][K / 32][qbytes]; bias: [N] or NULL; y: [M, N]
- * rows ldy apart. N % 16 == K % 32 == 0. Returns -1 (y untouched) without memory for xq. */
+/* x: [M, K] rows ldx apart; w: packed, N / 16 panels of panel_bytes each; bias: [N] or NULL; y:
+ * [M, N] rows ldy apart. N % 16 == K % 32 == 0. Returns -1 (y untouched) without memory for xq. */
 static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy,
-                        int64_t M, int64_t N, int64_t K, int num_threads, int bits) {
+                        int64_t M, int64_t N, int64_t K, int num_threads, int bits, int has_m) {
     if (M <= 0) return 0;
-    const int64_t nb = K / QBLOCK, num_panels = N / 16, pb = nb * qbytes(bits);
+    const int64_t nb = K / QBLOCK, num_panels = N / 16, pb = panel_bytes(bits, has_m, nb);
     if (M <= dequant_rows && !force_portable) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t p = 0; p < num_panels; p++)
-            panel_deq_rows(x, ldx, K, w + p * pb, bits, bias ? bias + p * 16 : 0, y + p * 16, ldy, M);
+            panel_deq_rows(x, ldx, K, w + p * pb, bits, has_m, bias ? bias + p * 16 : 0, y + p * 16, ldy, M);
         return 0;
     }
     /* A few rows: every thread quantizes them all into its own copy, so the threads meet only
@@ -300,8 +336,9 @@ static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const flo
                 const int8_t *xr = xq + m0 * K;
                 const float *bp = bias ? bias + p * 16 : 0;
                 float *yr = y + m0 * ldy + p * 16;
-                if (vnni) panel_vnni_rows(xr, dx + m0 * nb, sx + m0 * nb, K, w + p * pb, bits, bp, yr, ldy, rows);
-                else panel_portable(xr, dx + m0 * nb, sx + m0 * nb, K, w + p * pb, bits, bp, yr, ldy, rows);
+                const uint8_t *wp = w + p * pb;
+                if (vnni) panel_vnni_rows(xr, dx + m0 * nb, sx + m0 * nb, K, wp, bits, has_m, bp, yr, ldy, rows);
+                else panel_portable(xr, dx + m0 * nb, sx + m0 * nb, K, wp, bits, has_m, bp, yr, ldy, rows);
             }
     }
     free(xq_all);
@@ -309,12 +346,20 @@ static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const flo
     return 0;
 }
 
+/* Q4_1: 4 bits, d and m. */
 int linear_q4(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy, int64_t M,
               int64_t N, int64_t K, int num_threads) {
-    return linear_quant(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 4);
+    return linear_quant(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 4, 1);
 }
 
+/* Q4_0: 4 bits, d alone. */
+int linear_q4_0(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy, int64_t M,
+                int64_t N, int64_t K, int num_threads) {
+    return linear_quant(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 4, 0);
+}
+
+/* Q8_0: 8 bits, d alone. */
 int linear_q8(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy, int64_t M,
               int64_t N, int64_t K, int num_threads) {
-    return linear_quant(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 8);
+    return linear_quant(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 8, 0);
 }
