@@ -20,6 +20,7 @@ import collections
 import ctypes
 import statistics
 import time
+import weakref
 
 import torch
 
@@ -33,31 +34,27 @@ def run(model, token_ids: torch.Tensor, positions: torch.Tensor, meta, kv_pool: 
     """The model's forward for a step of decodes: logits [S, vocab] float32 of `sample_rows`,
     this step's K/V written into kv_pool; None (nothing touched) where the fused call does not
     apply. A token id out of the embedding's range raises IndexError, as the forward's lookup does."""
-    native = cpu_kernels.kernels() if kv_pool.device.type == "cpu" else None
-    num_rows, num_samples = token_ids.shape[0], sample_rows.shape[0]
-    if native is None or not _qualifies(model, native, token_ids, positions, sample_rows, meta, kv_pool):
+    plan = _plan(model, kv_pool)
+    num_rows, num_samples, batch = token_ids.shape[0], sample_rows.shape[0], meta.decodes
+    if plan is None or meta.prefills or meta.num_decodes != num_rows or batch is None:
+        return None
+    step = (token_ids, positions, sample_rows, meta.slot_blocks, meta.slot_offsets, batch.block_ids, batch.context_lens)
+    if positions.shape != (num_rows,) or not all(t.dtype is torch.long and t.is_cpu and t.is_contiguous() for t in step):
         return None
     layers, ends = _descriptors(model, num_rows), _ends(model, num_samples)
     if layers is None or ends is None:
         return None
-    cfg, batch = model.cfg, meta.decodes
-    first = model.layers[0]
-    dims = (_i64 * 12)(
-        num_rows, cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim, cfg.intermediate_size,
-        kv_pool.shape[3], kv_pool.stride(1), kv_pool.stride(0), kv_pool.stride(2), batch.block_ids.shape[1],
-        cpu_kernels.is_bf16(kv_pool),
-    )  # fmt: skip
+    plan.dims[0], plan.dims[10] = num_rows, batch.block_ids.shape[1]
     logits = torch.empty(num_samples, model.lm_head.out_features)
     torch_threads = torch.get_num_threads()
-    span_threads = 0 if first.batch_invariant else torch_threads  # as the forward's (0: fixed spans)
+    span_threads = 0 if plan.batch_invariant else torch_threads  # as the forward's (0: fixed spans)
     chooser = model.__dict__.setdefault("_decode_threads", ThreadChoice())
     threads = chooser.pick(num_rows, torch_threads)
     start = time.perf_counter()
-    status = _entry(native)(
-        layers, len(model.layers), dims, ends, token_ids.data_ptr(), positions.data_ptr(), sample_rows.data_ptr(),
+    status = plan.entry(
+        layers, plan.num_layers, plan.dims, ends, token_ids.data_ptr(), positions.data_ptr(), sample_rows.data_ptr(),
         num_samples, logits.data_ptr(), kv_pool.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
-        batch.block_ids.data_ptr(), batch.context_lens.data_ptr(), first.eps, first.head_dim**-0.5, span_threads,
-        threads,
+        batch.block_ids.data_ptr(), batch.context_lens.data_ptr(), plan.eps, plan.scale, span_threads, threads,
     )  # fmt: skip
     chooser.record(num_rows, threads, time.perf_counter() - start)
     if status == -2:
@@ -65,6 +62,33 @@ def run(model, token_ids: torch.Tensor, positions: torch.Tensor, meta, kv_pool: 
     if status:
         raise MemoryError(f"no memory for the scratch of a {num_rows}-row decode step")
     return logits
+
+
+class _Plan:
+    """What a model and a KV pool fix for every step: checked once, not per step (after a step has
+    streamed the weights through the caches, each check in Python costs a few cold microseconds)."""
+
+    def __init__(self, model, native, kv_pool: torch.Tensor):
+        cfg, first = model.cfg, model.layers[0]
+        self.entry = _entry(native)
+        self.num_layers = len(model.layers)
+        # csrc/decode_step.c's dims; [0] (rows) and [10] (table width) are each step's
+        self.dims = (_i64 * 12)(
+            0, cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim, cfg.intermediate_size,
+            kv_pool.shape[3], kv_pool.stride(1), kv_pool.stride(0), kv_pool.stride(2), 0, cpu_kernels.is_bf16(kv_pool),
+        )  # fmt: skip
+        self.eps, self.scale, self.batch_invariant = first.eps, first.head_dim**-0.5, first.batch_invariant
+
+
+def _plan(model, kv_pool: torch.Tensor) -> _Plan | None:
+    """The model's plan for steps over `kv_pool` (cached for the last pool seen); None where the
+    fused call never applies to them."""
+    cached = model.__dict__.get("_fused_plan")
+    if cached is None or cached[0]() is not kv_pool:
+        native = cpu_kernels.kernels() if kv_pool.device.type == "cpu" else None
+        plan = _Plan(model, native, kv_pool) if native is not None and _qualifies(model, native, kv_pool) else None
+        cached = model._fused_plan = (weakref.ref(kv_pool), plan)
+    return cached[1]
 
 
 class ThreadChoice:
@@ -108,16 +132,11 @@ class ThreadChoice:
             self._times.setdefault((num_rows, threads), collections.deque(maxlen=self.WINDOW)).append(seconds)
 
 
-def _qualifies(model, native, token_ids, positions, sample_rows, meta, kv_pool) -> bool:
-    num_rows = token_ids.shape[0]
+def _qualifies(model, native, kv_pool: torch.Tensor) -> bool:
     first = model.layers[0]
-    batch = meta.decodes
-    if meta.prefills or meta.num_decodes != num_rows or batch is None or first.all_reduce is not None:
-        return False
-    if model.lm_head is None or not native.applies_kv(kv_pool) or kv_pool.dim() != 6:
+    if first.all_reduce is not None or model.lm_head is None or not native.applies_kv(kv_pool) or kv_pool.dim() != 6:
         return False
     _, _, _, block_size, num_kv, head_dim = kv_pool.shape
-    longs = (token_ids, positions, sample_rows, meta.slot_blocks, meta.slot_offsets, batch.block_ids, batch.context_lens)
     floats = (model.embed, model.norm, model._rope_inv_freq(kv_pool.device))
     return (
         kv_pool.stride()[3:] == (num_kv * head_dim, head_dim, 1)
@@ -125,8 +144,6 @@ def _qualifies(model, native, token_ids, positions, sample_rows, meta, kv_pool) 
         and head_dim == first.head_dim
         and first.num_heads <= native.max_heads
         and head_dim <= native.max_head_dim
-        and positions.shape == (num_rows,)
-        and all(t.dtype == torch.long and t.device.type == "cpu" and t.is_contiguous() for t in longs)
         and all(native.applies(t) and t.is_contiguous() for t in floats)
     )
 
