@@ -197,9 +197,11 @@ def step_weight_bytes(model: LlamaModel) -> int:
     for m in model.modules():
         if not isinstance(m, Linear):
             continue
-        w = m.quant.data if m.quant is not None else m.panels if m.panels is not None else m.weight
-        w = w if w is not None else m.tiles
-        total += w.numel() * w.element_size()  # packed bf16 weights are bfloat16 elements, the rest bytes
+        if m.quant is not None:
+            total += m.quant.nbytes
+            continue
+        w = m.panels if m.panels is not None else m.weight if m.weight is not None else m.tiles
+        total += w.numel() * w.element_size()
     return total
 
 

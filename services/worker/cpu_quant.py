@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from services.worker import cpu_kernels
+from services.worker.host_memory import huge_page_host_tensor
 
 FORMATS = ("q8_0", "q4_0", "q4_1")  # GGUF's, served as they are
 WEIGHT_FORMATS = (*FORMATS, "bf16")  # bf16: raw is the [N, K] bfloat16 matrix itself
 BLOCK = 32  # inputs per block, every format
 _BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+LAYOUT = 64  # bytes of the line before a quantized pack's panels
 
 
 def _ggml_type(kind: str):
@@ -80,8 +82,10 @@ def cat(parts: list[QuantWeight]) -> QuantWeight:
 
 @dataclass
 class PackedQuant:
-    """A weight in the kernel's panels (csrc/quant_matmul.c has the layout): data uint8, N / 16
-    panels of equal size.
+    """A weight in the kernel's panels (csrc/quant_matmul.c has the layout): N / 16 panels of
+    `panel_bytes` each (bf16: data, bfloat16, is the panels). The quantized formats' data is the
+    line that says where the panels lie, then the panels: all of them (`pack`), or where the
+    weight is cut per thread (`thread_major`), the first thread's part, the others' further on.
     gated: an MLP's gate and up rows packed for linear_bf16_gated (silu(gate) * up, N / 2 columns)."""
 
     kind: str
@@ -89,6 +93,12 @@ class PackedQuant:
     num_out: int
     num_in: int
     gated: bool = False
+    panel_bytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the matrix, what a step reads of it."""
+        return self.num_out // 16 * self.panel_bytes if self.kind in FORMATS else self.data.numel() * 2
 
 
 def pack(weight: QuantWeight, gated: bool = False) -> PackedQuant | None:
@@ -135,7 +145,42 @@ def pack(weight: QuantWeight, gated: bool = False) -> PackedQuant | None:
             q, ds = (np.concatenate([a, np.zeros_like(a[:, :1])], axis=1) for a in (q, ds))
         pairs = np.concatenate([ds.reshape(panels, -1, 64), q.reshape(panels, -1, 2 * q.shape[-1])], axis=-1)
         data = pairs.reshape(panels, -1)[:, : pairs[0].size - odd * q.shape[-1]].reshape(-1)
-    return PackedQuant(weight.kind, torch.from_numpy(np.ascontiguousarray(data)), num_out, num_in)
+    data = np.concatenate([_layout(panels, 0), data])
+    return PackedQuant(weight.kind, torch.from_numpy(data), num_out, num_in, panel_bytes=(data.size - LAYOUT) // panels)
+
+
+def thread_major(packs: list[PackedQuant], parts: int) -> list[PackedQuant]:
+    """The quantized `packs` (from `pack`) in one huge-page region, each cut in `parts` parts of
+    ceil(panels / parts) panels, and part t of each laid right after part t of the one before.
+    A step's matmuls on `parts` threads each give thread t its part (csrc/quant_matmul.c,
+    `thread_panels`), so every thread reads one stream from the step's first matrix to its last,
+    where split by matrix each thread started a stream anew at every matrix; on any other thread
+    count the result is the same to the bit. The region is `parts` equal runs; a pack's data is
+    its room in the first (its layout line and its first part)."""
+    rooms = [LAYOUT + -(-(p.num_out // 16) // parts) * p.panel_bytes for p in packs]
+    run = sum(rooms)  # bytes from one thread's run to the next
+    region = huge_page_host_tensor((parts * run,), torch.uint8)
+    placed, at = [], 0
+    for p, room in zip(packs, rooms):
+        panels, size = p.num_out // 16, p.panel_bytes
+        per = -(-panels // parts)
+        assert p.kind in FORMATS and int(p.data[:8].view(torch.int64)) == panels, "a pack cut already"
+        for t in range(parts):
+            first, last = min(t * per, panels), min((t + 1) * per, panels)
+            start = t * run + at + LAYOUT
+            region[start : start + (last - first) * size] = p.data[LAYOUT + first * size : LAYOUT + last * size]
+        region[at : at + LAYOUT] = torch.from_numpy(_layout(per, run))
+        placed.append(replace(p, data=region[at : at + room]))
+        at += room
+    return placed
+
+
+def _layout(part_panels: int, part_stride: int) -> np.ndarray:
+    """The line before a pack's panels (csrc/quant_matmul.c, `panel_at`): panels per part, and the
+    bytes from one part's first panel to the next part's."""
+    line = np.zeros(LAYOUT // 8, dtype=np.int64)
+    line[:2] = part_panels, part_stride
+    return line.view(np.uint8)
 
 
 def pair_gate_up(t: torch.Tensor) -> torch.Tensor:

@@ -326,7 +326,11 @@ class LlamaModel(nn.Module):
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         if device.type == "cpu":  # the matrices a step streams in huge pages (host_memory.py)
             linears = [m for m in self.modules() if isinstance(m, Linear)]
-            held = [(m, name) for m in linears for name in m.streamed()]
+            # The quantized ones cut per thread, each thread's parts end to end (cpu_quant.thread_major).
+            quant = [m for m in linears if m.quant is not None and m.quant.kind in cpu_quant.FORMATS]
+            for m, placed in zip(quant, cpu_quant.thread_major([m.quant for m in quant], torch.get_num_threads())):
+                m.replace_streamed("quant_data", placed.data)
+            held = [(m, name) for m in linears if m not in quant for name in m.streamed()]
             copies = huge_page_copies([getattr(m, name).data for m, name in held])
             for (m, name), copy in zip(held, copies):
                 m.replace_streamed(name, copy)

@@ -83,6 +83,36 @@ def test_both_paths_compute_the_same_sums(kind):
     torch.testing.assert_close(fast, portable, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_weights_cut_per_thread_give_the_uncut_results(parts, rows, path):
+    """Matrices cut per thread (each thread's parts of all of them end to end) multiply to the
+    same bits as uncut on any thread count, panel counts that do not divide included."""
+    packs = [quantized(kind, n, k)[1] for kind, n, k in (("q4_1", 48, 96), ("q8_0", 80, 64), ("q4_0", 16, 96))]
+    cut = cpu_quant.thread_major(packs, parts)
+    gen = torch.Generator().manual_seed(rows)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, parts):
+            torch.set_num_threads(threads)
+            for whole, part in zip(packs, cut):
+                x = torch.randn(rows, whole.num_in, generator=gen)
+                assert torch.equal(cpu_quant.linear(x, part, None), cpu_quant.linear(x, whole, None))
+    finally:
+        torch.set_num_threads(before)
+    assert [c.nbytes for c in cut] == [p.nbytes for p in packs]
+    # Thread t's part of each matrix is followed by its part of the next: a layout line later,
+    # and as many panels as the part is short of the others (a count that does not divide).
+    run = int(cut[0].data[8:16].view(torch.int64))
+    for t in range(parts):
+        for a, b in zip(cut, cut[1:]):
+            panels, per = a.num_out // 16, -(-(a.num_out // 16) // parts)
+            held = max(0, min(per, panels - t * per))
+            end = a.data.data_ptr() + cpu_quant.LAYOUT + t * run + held * a.panel_bytes
+            begin = b.data.data_ptr() + cpu_quant.LAYOUT + t * run
+            assert begin - end == cpu_quant.LAYOUT + (per - held) * a.panel_bytes
+
+
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("rows", [0, 1, 4, 5, 12, 13, 30])
 @pytest.mark.parametrize(("num_out", "num_in"), [(48, 96), (64, 320)])

@@ -10,8 +10,9 @@
  * with the first sum exact in int32 (vpdpbusd: unsigned q times signed xq, 64 products an
  * instruction) and the second known per row and block before the matmul starts.
  *
- * Packed layout (services/worker/cpu_quant.py writes it), per panel of 16 output columns, its
- * blocks of 32 inputs in order, each block's q in QB(bits) bytes:
+ * Packed layout (services/worker/cpu_quant.py writes it): a line of 64 bytes that says where the
+ * panels lie (`panel_at`: in one part after it, or cut in parts per thread), then per panel of 16
+ * output columns its blocks of 32 inputs in order, each block's q in QB(bits) bytes:
  *   4 bits: 4 x 64 bytes; byte c * 4 + r of vector i holds column c's inputs 4i + r (low nibble)
  *           and 16 + 4i + r (high nibble) -- GGUF's own nibble order, so packing only transposes;
  *   8 bits: 8 x 64 bytes; byte c * 4 + r of vector g holds column c's input 4g + r;
@@ -292,16 +293,49 @@ int quant_matmul_dequant_rows(int rows) {
     return dequant_rows;
 }
 
-/* x: [M, K] rows ldx apart; w: packed, N / 16 panels of panel_bytes each; bias: [N] or NULL; y:
- * [M, N] rows ldy apart. N % 16 == K % 32 == 0. Returns -1 (y untouched) without memory for xq. */
+/* Panel p of a packed weight: the weight's first line holds its layout (int64 words): panels per
+ * part, then the bytes from one part's first panel to the next one's; part 0's panels follow the
+ * line. One part (pack): [line][panels]. Cut for n threads (cpu_quant.thread_major): part t,
+ * panels [t c, (t + 1) c) with c = ceil(panels / n), lies among thread t's parts of every matrix
+ * of the step, end to end. */
+static inline const uint8_t *panel_at(const uint8_t *w, int64_t p, int64_t pb) {
+    const int64_t *layout = (const int64_t *)w;
+    return w + 64 + p / layout[0] * layout[1] + p % layout[0] * pb;
+}
+
+/* Thread t of nt's panels, [*p0, *p1): part t where the weight is cut for nt threads. */
+static inline void thread_panels(int64_t num_panels, int t, int nt, int64_t *p0, int64_t *p1) {
+    const int64_t per = (num_panels + nt - 1) / nt, first = t * per < num_panels ? t * per : num_panels;
+    *p0 = first;
+    *p1 = first + per < num_panels ? first + per : num_panels;
+}
+
+/* Rows [m0, m0 + rows) of panel p. */
+static inline void rows_by_panel(const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *w,
+                                 int64_t p, int64_t pb, int bits, int has_m, const float *bias, float *y, int64_t ldy,
+                                 int64_t m0, int64_t rows, int vnni) {
+    const int64_t nb = K / QBLOCK;
+    const float *bp = bias ? bias + p * 16 : 0;
+    float *yr = y + m0 * ldy + p * 16;
+    if (vnni) panel_vnni_rows(xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, panel_at(w, p, pb), bits, has_m, bp, yr, ldy, rows);
+    else panel_portable(xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, panel_at(w, p, pb), bits, has_m, bp, yr, ldy, rows);
+}
+
+/* x: [M, K] rows ldx apart; w: packed (its layout line, then N / 16 panels of panel_bytes each,
+ * in one part or several); bias: [N] or NULL; y: [M, N] rows ldy apart. N % 16 == K % 32 == 0.
+ * Returns -1 (y untouched) without memory for xq. */
 static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K, int num_threads, int bits, int has_m) {
     if (M <= 0) return 0;
     const int64_t nb = K / QBLOCK, num_panels = N / 16, pb = panel_bytes(bits, has_m, nb);
     if (M <= dequant_rows && !force_portable) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t p = 0; p < num_panels; p++)
-            panel_deq_rows(x, ldx, K, w + p * pb, bits, has_m, bias ? bias + p * 16 : 0, y + p * 16, ldy, M);
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t p0, p1;
+            thread_panels(num_panels, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
+            for (int64_t p = p0; p < p1; p++)
+                panel_deq_rows(x, ldx, K, panel_at(w, p, pb), bits, has_m, bias ? bias + p * 16 : 0, y + p * 16, ldy, M);
+        }
         return 0;
     }
     /* A few rows: every thread quantizes them all into its own copy, so the threads meet only
@@ -328,18 +362,18 @@ static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const flo
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
         }
+        if (groups == 1) { /* each thread its part of the panels (one stream across the step's matrices) */
+            int64_t p0, p1;
+            thread_panels(num_panels, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
+            for (int64_t p = p0; p < p1; p++) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, 0, M, vnni);
+        } else {
 #pragma omp for schedule(static) collapse(2) nowait
-        for (int64_t m0g = 0; m0g < groups; m0g++)
-            for (int64_t p = 0; p < num_panels; p++) {
-                const int64_t m0 = m0g * group, rows = M - m0 < group ? M - m0 : group;
-                if (rows <= 0) continue;
-                const int8_t *xr = xq + m0 * K;
-                const float *bp = bias ? bias + p * 16 : 0;
-                float *yr = y + m0 * ldy + p * 16;
-                const uint8_t *wp = w + p * pb;
-                if (vnni) panel_vnni_rows(xr, dx + m0 * nb, sx + m0 * nb, K, wp, bits, has_m, bp, yr, ldy, rows);
-                else panel_portable(xr, dx + m0 * nb, sx + m0 * nb, K, wp, bits, has_m, bp, yr, ldy, rows);
-            }
+            for (int64_t m0g = 0; m0g < groups; m0g++)
+                for (int64_t p = 0; p < num_panels; p++) {
+                    const int64_t m0 = m0g * group, rows = M - m0 < group ? M - m0 : group;
+                    if (rows > 0) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, m0, rows, vnni);
+                }
+        }
     }
     free(xq_all);
     free(dx_all);
