@@ -155,16 +155,17 @@ def thread_major(packs: list[PackedQuant], parts: int) -> list[PackedQuant]:
     A step's matmuls on `parts` threads each give thread t its part (csrc/quant_matmul.c,
     `thread_panels`), so every thread reads one stream from the step's first matrix to its last,
     where split by matrix each thread started a stream anew at every matrix; on any other thread
-    count the result is the same to the bit. The region is `parts` equal runs; a pack's data is
-    its room in the first (its layout line and its first part)."""
-    rooms = [LAYOUT + -(-(p.num_out // 16) // parts) * p.panel_bytes for p in packs]
+    count the result is the same to the bit. The region is `parts` equal runs, each part given the
+    room of the longest (a matrix of few panels a thread takes up to a panel a thread more); a
+    pack's data is its room in the first run (its layout line and its first part)."""
+    pers = [-(-(p.num_out // 16) // parts) for p in packs]  # panels per part
+    rooms = [LAYOUT + per * p.panel_bytes for p, per in zip(packs, pers)]
     run = sum(rooms)  # bytes from one thread's run to the next
     region = huge_page_host_tensor((parts * run,), torch.uint8)
     placed, at = [], 0
-    for p, room in zip(packs, rooms):
+    for p, per, room in zip(packs, pers, rooms):
         panels, size = p.num_out // 16, p.panel_bytes
-        per = -(-panels // parts)
-        assert p.kind in FORMATS and int(p.data[:8].view(torch.int64)) == panels, "a pack cut already"
+        assert p.kind in FORMATS and int(p.data[:8].view(torch.int64)) == panels, "takes packs from pack(), uncut"
         for t in range(parts):
             first, last = min(t * per, panels), min((t + 1) * per, panels)
             start = t * run + at + LAYOUT
