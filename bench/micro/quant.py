@@ -17,8 +17,10 @@ load), the same model file:
   the time of one read of that many bytes, measured here in turns with the steps (a
   `--read-gb` GB buffer in huge pages, as the weights lie, read once a round by the kernels'
   streaming read and summed once by torch, on as many threads as the steps: the faster of the
-  two medians) — the ITL no kernel could beat; and
-  beside it the limit for the weights and the `--context` tokens of KV a step's attention
+  two medians) — the ITL no kernel could beat. ITL / limit pairs each step with its own
+  round's read (the median of step / limit that round): the read here switches between ~33 and
+  ~60 GB/s within seconds, and a run's median read may belong to other steps than its median
+  step. Beside it the limit for the weights and the `--context` tokens of KV a step's attention
   reads too (K and V of every layer: ~24 MB at 512 tokens in float32, a quarter of the GGUF's
   packed weights; half that in bfloat16).
 
@@ -103,16 +105,17 @@ def run(args: argparse.Namespace) -> int:
         }
         print(f"{name}: agreement {out['token_agreement']:.3f}, ppl {out['perplexity']:.3f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
-    itl, gbps, torch_gbps = decode_itl(models, cfg, args.context, args.steps, args.read_gb)
+    steps, round_gbps, gbps, torch_gbps = decode_itl(models, cfg, args.context, args.steps, args.read_gb)
     results["read_gbps"], results["torch_sum_gbps"] = gbps, torch_gbps
+    results["read_gbps_range"] = [min(round_gbps), max(round_gbps)]
     for name, out in results["precisions"].items():
         kv_bytes = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.context, models[name][2].itemsize)
-        out["itl_ms"] = itl[name]
+        out["itl_ms"] = 1e3 * statistics.median(steps[name])
         out["kv_bytes_per_step"] = kv_bytes
-        out["bandwidth_limit_ms"] = out["weight_bytes_per_step"] / (gbps * 1e9) * 1e3
-        out["itl_over_limit"] = out["itl_ms"] / out["bandwidth_limit_ms"]
-        out["limit_with_kv_ms"] = (out["weight_bytes_per_step"] + kv_bytes) / (gbps * 1e9) * 1e3
-        out["itl_over_limit_with_kv"] = out["itl_ms"] / out["limit_with_kv_ms"]
+        for key, num_bytes in (("", out["weight_bytes_per_step"]), ("_with_kv", out["weight_bytes_per_step"] + kv_bytes)):
+            out["bandwidth_limit_ms" if not key else "limit_with_kv_ms"] = num_bytes / (gbps * 1e9) * 1e3
+            # each step over the limit at its own round's read, then the median
+            out["itl_over_limit" + key] = statistics.median(t * g * 1e9 / num_bytes for t, g in zip(steps[name], round_gbps))
     print(markdown(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -206,12 +209,13 @@ def step_weight_bytes(model: LlamaModel) -> int:
 
 
 @torch.inference_mode()
-def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> tuple[dict[str, float], float, float]:
-    """ms of a one-request decode step at `context` tokens per precision, and the GB/s of one
-    read of a `read_gb` GB buffer (far larger than the caches, in huge pages as the weights are):
-    the faster of the kernels' streaming read and torch's sum, and torch's sum alone.
-    Measured in turns, a step of each precision and the reads each round, so that the limit and
-    the steps see the same machine."""
+def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float):
+    """Seconds of each one-request decode step at `context` tokens per precision, the GB/s of each
+    round's read of a `read_gb` GB buffer (far larger than the caches, in huge pages as the
+    weights are: the faster of the kernels' streaming read and torch's sum that round), and the
+    median GB/s of each of the two reads. Measured in turns, a step of each precision and the
+    reads each round, so that a step and the read beside it see the same machine: the read here
+    switches between ~33 and ~60 GB/s within seconds (docs/benchmarks.md)."""
     blocks = -(-(context + steps + 1) // BLOCK)
     state = {}
     for name, (model, _, kv) in models.items():
@@ -237,14 +241,16 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float) -> t
             f()
             if i >= 2:
                 out.append(time.perf_counter() - t)
-    native_gbps, torch_gbps = (buf.numel() * 4 / statistics.median(r) / 1e9 for r in (reads, sums))
-    itl = {name: 1e3 * statistics.median(times) for name, (_, _, times) in state.items()}
-    return itl, max(native_gbps, torch_gbps), torch_gbps
+    num_bytes = buf.numel() * 4
+    round_gbps = [num_bytes / min(r, s) / 1e9 for r, s in zip(reads, sums)]
+    native_gbps, torch_gbps = (num_bytes / statistics.median(r) / 1e9 for r in (reads, sums))
+    return {name: times for name, (_, _, times) in state.items()}, round_gbps, max(native_gbps, torch_gbps), torch_gbps
 
 
 def markdown(results: dict) -> str:
     lines = [
-        f"memory read: {results['read_gbps']:.1f} GB/s (torch's sum: {results['torch_sum_gbps']:.1f}), "
+        f"memory read: {results['read_gbps']:.1f} GB/s (torch's sum: {results['torch_sum_gbps']:.1f}; rounds "
+        f"{results['read_gbps_range'][0]:.0f}-{results['read_gbps_range'][1]:.0f}), "
         f"{results['threads']} threads",
         "| precision | KV | weights read per step (MB) | 1-stream ITL (ms) | bandwidth limit (ms) | ITL / limit "
         "| limit with the KV (ms) | ITL / that | greedy agreement | identical prompts | perplexity |",
