@@ -116,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
             out["bandwidth_limit_ms" if not key else "limit_with_kv_ms"] = num_bytes / (gbps * 1e9) * 1e3
             # each step over the limit at its own round's read, then the median
             out["itl_over_limit" + key] = statistics.median(t * g * 1e9 / num_bytes for t, g in zip(steps[name], round_gbps))
+        out["itl_over_limit_by_read"] = {
+            state: statistics.median(t * g * 1e9 / out["weight_bytes_per_step"] for t, g in pairs)
+            for state, pairs in by_read_state(steps[name], round_gbps).items()
+        }
     print(markdown(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -247,6 +251,20 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float):
     return {name: times for name, (_, _, times) in state.items()}, round_gbps, max(native_gbps, torch_gbps), torch_gbps
 
 
+def by_read_state(times: list[float], round_gbps: list[float]) -> dict[str, list[tuple[float, float]]]:
+    """(step, read) pairs of the rounds whose read was below the midpoint of the run's range and
+    of those at or above it, each keyed by its reads' range ("33-36 GB/s"), where the range is
+    wide enough (1.3x) to hold two states and a side has at least 5 rounds."""
+    low, high = min(round_gbps), max(round_gbps)
+    if high < 1.3 * low:
+        return {}
+    mid = (low + high) / 2
+    sides = ([p for p in zip(times, round_gbps) if p[1] < mid], [p for p in zip(times, round_gbps) if p[1] >= mid])
+    return {
+        f"{min(g for _, g in side):.0f}-{max(g for _, g in side):.0f} GB/s": side for side in sides if len(side) >= 5
+    }
+
+
 def markdown(results: dict) -> str:
     lines = [
         f"memory read: {results['read_gbps']:.1f} GB/s (torch's sum: {results['torch_sum_gbps']:.1f}; rounds "
@@ -263,6 +281,14 @@ def markdown(results: dict) -> str:
             f"{100 * r['token_agreement']:.1f}% | {100 * r['identical_prompts']:.0f}% | "
             f"{r['perplexity']:.3f} |"
         )
+    states = {s for r in results["precisions"].values() for s in r.get("itl_over_limit_by_read", {})}
+    for state in sorted(states, key=lambda s: float(s.split("-")[0])):
+        ratios = ", ".join(
+            f"{name.partition(':')[0]} {r['itl_over_limit_by_read'][state]:.2f}"
+            for name, r in results["precisions"].items()
+            if state in r.get("itl_over_limit_by_read", {})
+        )
+        lines.append(f"ITL / limit in the rounds that read {state}: {ratios}")
     return "\n".join(lines)
 
 
