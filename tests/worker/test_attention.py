@@ -156,6 +156,42 @@ def test_cpu_kernel_matches_sdpa_path(block_size, num_kv, group, head_dim, conte
     torch.testing.assert_close(got, attention._decode_sdpa(q, layer, meta.decodes), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_decode_attention_depends_on_the_row_alone(kv_dtype):
+    """Spans cut by each row's own length (the GGUF's attention, where a recomputed token must see
+    what its decode saw): a row's output is the same to the bit alone, beside rows of other lengths
+    in either order, and on one thread or two; for contexts of one span, of two (one request shared
+    by two threads) and of four. And it is the attention the SDPA path computes."""
+    native = cpu_kernels.kernels()
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_kv, group, head_dim = 16, 3, 3, 64  # SmolLM2
+    cached = [0, 99, 128, 299, 600, 1100]
+    num_blocks = sum(-(-(c + 1) // block_size) for c in cached) + 8
+    pool = torch.randn(num_blocks, 2, 2, block_size, num_kv, head_dim, generator=gen).to(kv_dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[order.pop() for _ in range(-(-(c + 1) // block_size))] for c in cached]
+    q, layer = torch.randn(len(cached), num_kv * group, head_dim, generator=gen), pool[:, 1]
+
+    def attend(rows: list[int], threads: int) -> dict[int, torch.Tensor]:
+        meta = build_metadata([cached[r] for r in rows], [1] * len(rows), [tables[r] for r in rows], block_size, "cpu")
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = native.decode_attention(q[rows], layer, meta.decodes.block_ids, meta.decodes.context_lens, invariant=True)
+        finally:
+            torch.set_num_threads(before)
+        return dict(zip(rows, out))
+
+    rows = list(range(len(cached)))
+    together, backwards = attend(rows, 2), attend(rows[::-1], 2)
+    for r in rows:
+        for other in (backwards, attend([r], 2), attend([r], 1)):
+            assert torch.equal(together[r], other[r]), f"row of {cached[r] + 1} keys"
+    meta = build_metadata(cached, [1] * len(cached), tables, block_size, "cpu")
+    want = attention._decode_sdpa(q, layer.float(), meta.decodes)
+    torch.testing.assert_close(torch.stack([together[r] for r in rows]), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "block_size, num_kv, group, head_dim, cached, q_len",
     [

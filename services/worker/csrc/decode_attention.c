@@ -19,13 +19,14 @@
 #include "kernels.h"
 
 #define SPAN_MIN_KEYS 64   /* keys per work item at least: smaller spans cost more to merge than they gain */
-/* keys per work item where the spans are batch-invariant: a 512-token prefill of SmolLM2 run as
- * decode rows, 30 layers, 146 ms of attention at 64 keys against 122 at 256 (medians of 5); a step
- * of 20 requests at 600 keys 34.0 against 27.7 ms, as fast as spans cut for the batch (27.8); one
- * request at 512 keys still two items, one per thread of this machine. (Measured before the
- * AVX-512 path scored 16 keys at a time; a span of 256 is now one run of it.) */
+/* keys per work item at most where the spans are batch-invariant (row_span): a 512-token prefill
+ * of SmolLM2 run as decode rows, 30 layers, 146 ms of attention at 64 keys against 122 at 256
+ * (medians of 5); a step of 20 requests at 600 keys 34.0 against 27.7 ms, as fast as spans cut for
+ * the batch (27.8). (Measured before the AVX-512 path scored 16 keys at a time; a span of 256 is
+ * now one run of it.) */
 #define SPAN_FIXED_KEYS 256
-#define SPANS_PER_THREAD 4 /* enough items that uneven contexts still balance */
+#define SPAN_ONE_KEYS 128 /* ... and a row of at most this many keys one item */
+#define SPANS_PER_THREAD 4 /* where spans are cut for the batch: enough items that uneven contexts still balance */
 
 /* a . the n pool elements from element i. */
 static inline float dot(const float *restrict a, const void *kv, int64_t i, int64_t n, const int bf) {
@@ -101,14 +102,45 @@ static inline __attribute__((always_inline)) void attend_span(
 #define RUN_FLOATS 4096 /* scores held per run: RUN_FLOATS / heads keys a run, at most RUN_KEYS */
 #define RUN_KEYS 256
 
-/* Lines still to prefetch into L2, from `at` on. */
+#define PF_AHEAD 192    /* lines the prefetches run ahead of the reads (two tiles of bfloat16 keys, SmolLM2) */
+
+/* The span's reads in the order attend_span_avx512 makes them -- per run, its keys, then its
+ * values; per key, its slot's lines -- walked ahead of the compute to prefetch them into L2. */
 typedef struct {
-    const char *at;
-    int64_t left;
+    const char *kv;
+    const int64_t *table;
+    int64_t block_stride, side_bytes, key_bytes, block_size, end, run; /* strides in bytes */
+    int64_t run_start, key, side;
+    const char *at, *key_end; /* the next line; the end of the key's lines */
 } lines_t;
 
-static inline void prefetch_some(lines_t *p, int64_t k) {
-    for (; k > 0 && p->left > 0; k--, p->left--, p->at += 64) _mm_prefetch(p->at, _MM_HINT_T1);
+/* Point c at its key's first line. */
+static inline void lines_at_key(lines_t *c) {
+    c->at = c->kv + c->table[c->key / c->block_size] * c->block_stride + c->key % c->block_size * c->key_bytes +
+            c->side * c->side_bytes;
+    c->key_end = c->at + c->key_bytes;
+}
+
+/* Prefetches the next k lines into L2 (fewer at the span's end). */
+static inline void prefetch_some(lines_t *c, int64_t k) {
+    for (; k > 0 && c->key < c->end; k--) {
+        _mm_prefetch(c->at, _MM_HINT_T1);
+        c->at += 64;
+        if (c->at < c->key_end) continue;
+        const int64_t run_end = c->run_start + c->run < c->end ? c->run_start + c->run : c->end;
+        if (++c->key < run_end) {
+            if (c->key % c->block_size) { /* the next slot of the block: its lines follow */
+                c->key_end += c->key_bytes;
+                continue;
+            }
+        } else if (c->side == 0) { /* the run's values */
+            c->side = 1, c->key = c->run_start;
+        } else { /* the next run's keys */
+            c->side = 0, c->run_start = c->key = run_end;
+            if (c->key == c->end) return;
+        }
+        lines_at_key(c);
+    }
 }
 
 /* Keys in the tile from key `at`: up to 16, within its block, before `end`, at most `room`. */
@@ -231,9 +263,11 @@ static inline __attribute__((always_inline)) void value_tile(const float *p, int
  * across runs), then its values are summed tile by tile, every head (value_tile). One softmax step
  * a run, not a block: its max, exp and rescale are a chain of dependent steps per head, which once
  * per 16 keys took most of the time (512 keys, one thread: ~27 of 30 us a layer). Tile by tile,
- * every head, reads each tile's keys (then values) in address order; the next tile's lines are
- * prefetched into L2 a few per word or key while this one computes, so the memory streams during
- * the compute: issued all at once they would queue behind the core's few outstanding misses. */
+ * every head, reads each tile's keys (then values) in address order. The prefetches run PF_AHEAD
+ * lines ahead of those reads (lines_t), a tile's worth a few per word or key while it computes, so
+ * the memory streams during the compute: issued all at once they would queue behind the core's few
+ * outstanding misses. One tile ahead, restarted at each tile, they stalled at every run's and
+ * span's first tile (one request, 512-800 keys, 30 layers after a 512 MB read: 4-7% slower). */
 static inline __attribute__((always_inline)) void attend_span_avx512(
     const float *restrict q, const void *kv, int64_t block_stride, int64_t side_stride, const int64_t *table,
     int64_t start, int64_t end, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale,
@@ -243,10 +277,14 @@ static inline __attribute__((always_inline)) void attend_span_avx512(
     const int64_t passes = num_kv_heads * ((group + per_pass - 1) / per_pass);
     int run = (int)(RUN_FLOATS / num_heads) / 16 * 16;
     run = run < 16 ? 16 : run > RUN_KEYS ? RUN_KEYS : run;
-    const int64_t stride = run + 16, lines_per_key = slot * (bf ? 2 : 4) / 64;
+    const int64_t stride = run + 16, key_bytes = slot * (bf ? 2 : 4), lines_per_key = (key_bytes + 63) / 64;
     float s[RUN_FLOATS + 16 * MAX_HEADS] __attribute__((aligned(64)));
-    int64_t tile_at[RUN_KEYS + 1]; /* a tile's first key, in elements of the pool; at num_tiles, the next run's */
-    int tile_keys[RUN_KEYS + 1], tile_first[RUN_KEYS];
+    int64_t tile_at[RUN_KEYS]; /* a tile's first key, in elements of the pool */
+    int tile_keys[RUN_KEYS], tile_first[RUN_KEYS];
+    lines_t pf = {(const char *)kv, table, block_stride * (bf ? 2 : 4), side_stride * (bf ? 2 : 4), key_bytes,
+                  block_size, end, run, start, start, 0, 0, 0};
+    lines_at_key(&pf);
+    prefetch_some(&pf, PF_AHEAD);
     for (int64_t h = 0; h < num_heads; h++) {
         mx[h] = -INFINITY;
         sm[h] = 0.0f;
@@ -274,13 +312,8 @@ static inline __attribute__((always_inline)) void attend_span_avx512(
             n += (int)k;
             at += k;
         }
-        /* the next run's first tile (0 keys: none), to prefetch */
-        tile_at[num_tiles] = at < end ? table[at / block_size] * block_stride + at % block_size * slot : tile_at[0];
-        tile_keys[num_tiles] = at < end ? (int)tile_len(at, end, block_size, run) : 0;
-        for (int i = 0; i < num_tiles; i++) { /* scores; meanwhile the next tile's keys, then the first's values */
-            const int64_t nx = i + 1 < num_tiles ? tile_at[i + 1] : tile_at[0] + side_stride;
-            lines_t pf = {kv_addr(kv, nx, bf), (i + 1 < num_tiles ? tile_keys[i + 1] : tile_keys[0]) * lines_per_key};
-            const int64_t per = (pf.left + passes * words - 1) / (passes * words);
+        for (int i = 0; i < num_tiles; i++) { /* scores; the prefetches a tile's lines further on */
+            const int64_t per = (tile_keys[i] * lines_per_key + passes * words - 1) / (passes * words);
 #define SCORE(NH) score_tile(q + h0 * D, kv, tile_at[i] + g * D, slot, tile_keys[i], NH, (int)D, scale, \
                              s + h0 * stride, stride, tile_first[i], &pf, per, bf)
             EACH_PASS(SCORE)
@@ -307,10 +340,8 @@ static inline __attribute__((always_inline)) void attend_span_avx512(
             for (int64_t d = 0; d < D; d += 16)
                 _mm512_storeu_ps(acc + h * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + d), _mm512_set1_ps(correction)));
         }
-        for (int i = 0; i < num_tiles; i++) { /* values; meanwhile the next tile's, then the next run's keys */
-            lines_t pf = {kv_addr(kv, i + 1 < num_tiles ? tile_at[i + 1] + side_stride : tile_at[num_tiles], bf),
-                          tile_keys[i + 1] * lines_per_key};
-            const int64_t per = (pf.left + passes * tile_keys[i] - 1) / (passes * tile_keys[i]);
+        for (int i = 0; i < num_tiles; i++) { /* values; the prefetches as for the scores */
+            const int64_t per = (lines_per_key + passes - 1) / passes;
 #define VALUE(NH) value_tile(s + h0 * stride + tile_first[i], stride, kv, tile_at[i] + side_stride + g * D, slot, \
                              tile_keys[i], acc + h0 * D, NH, V, &pf, per, bf)
             EACH_PASS(VALUE)
@@ -353,32 +384,47 @@ static inline __attribute__((always_inline)) void attend_item(
                     block_size, scale, acc, mx, sm, bf);
 }
 
+/* Keys per span of a row of `ctx` keys where the spans are batch-invariant: a function of the row's
+ * own length, so its result does not depend on the batch. An even number of equal spans (whole
+ * blocks) of at most SPAN_FIXED_KEYS, so that two threads share a request alone evenly (spans of
+ * 256 left one thread 512 keys and the other 288 at 800: one request, 30 layers after a 512 MB
+ * read, 0.88 -> 0.82 ms); one span for a short row. */
+static int64_t row_span(int64_t ctx, int64_t block_size) {
+    const int64_t parts = ctx <= SPAN_ONE_KEYS ? 1 : 2 * ((ctx + 2 * SPAN_FIXED_KEYS - 1) / (2 * SPAN_FIXED_KEYS));
+    const int64_t span = (ctx + parts - 1) / parts;
+    return (span + block_size - 1) / block_size * block_size;
+}
+
 /* q: [R, H, D] rows `q_row_stride` floats apart (heads contiguous); out: [R, H, D] contiguous.
  * kv: the layer's view of a float32 pool, or of a bfloat16 one where kv_bf16 (strides in elements).
  * block_ids: [R, max_blocks]; ctx_lens: [R] keys per request (the new token's included, >= 1).
  * The spans are cut for `span_threads` threads and run on `num_threads`: the result depends on the
- * first only, so a caller may run it on fewer threads than it was cut for. span_threads 0: spans of
- * SPAN_FIXED_KEYS whatever the batch, so each row's result depends on its own query and keys alone
- * (batch-invariant: a query gets the same bits decoded alone, beside others, or as a row of a
- * prefill chunk). */
+ * first only, so a caller may run it on fewer threads than it was cut for. span_threads 0: each
+ * row's spans by its own length (row_span) whatever the batch, so its result depends on its own
+ * query and keys alone (batch-invariant: a query gets the same bits decoded alone, beside others,
+ * or as a row of a prefill chunk). */
 void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
                                   int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
                                   int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                   float scale, int span_threads, int num_threads) {
-    /* Span length: whole blocks, about SPANS_PER_THREAD items per thread over the batch. */
-    int64_t span = SPAN_FIXED_KEYS;
+    /* Cut for the batch: whole blocks, about SPANS_PER_THREAD items per thread over the batch (one
+     * for a request alone, which shares evenly without them). */
+    int64_t span = 0;
     if (span_threads > 0) {
         int64_t total = 0;
         for (int64_t r = 0; r < num_rows; r++) total += ctx_lens[r];
-        const int64_t items = (int64_t)span_threads * SPANS_PER_THREAD, even = (total + items - 1) / items;
-        span = even > SPAN_MIN_KEYS ? even : SPAN_MIN_KEYS;
+        const int64_t items = (int64_t)span_threads * (num_rows > 1 ? SPANS_PER_THREAD : 1);
+        span = (total + items - 1) / items;
+        span = span > SPAN_MIN_KEYS ? span : SPAN_MIN_KEYS;
+        span = (span + block_size - 1) / block_size * block_size;
     }
-    span = (span + block_size - 1) / block_size * block_size;
-
-    int64_t *first = malloc(sizeof(int64_t) * (num_rows + 1)); /* first item of each row */
-    first[0] = 0;
-    for (int64_t r = 0; r < num_rows; r++) first[r + 1] = first[r] + (ctx_lens[r] + span - 1) / span;
+    int64_t *first = malloc(sizeof(int64_t) * (2 * num_rows + 1)), *spans = first + num_rows + 1;
+    first[0] = 0; /* each row's first item, and its span */
+    for (int64_t r = 0; r < num_rows; r++) {
+        spans[r] = span ? span : row_span(ctx_lens[r], block_size);
+        first[r + 1] = first[r] + (ctx_lens[r] + spans[r] - 1) / spans[r];
+    }
     const int64_t num_items = first[num_rows];
     int64_t *item_row = malloc(sizeof(int64_t) * num_items);
     for (int64_t r = 0; r < num_rows; r++)
@@ -391,8 +437,8 @@ void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const vo
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) {
-            const int64_t r = item_row[i], start = (i - first[r]) * span;
-            const int64_t end = start + span < ctx_lens[r] ? start + span : ctx_lens[r];
+            const int64_t r = item_row[i], start = (i - first[r]) * spans[r];
+            const int64_t end = start + spans[r] < ctx_lens[r] ? start + spans[r] : ctx_lens[r];
             float *acc = part + i * part_size, *mx = acc + num_heads * head_dim, *sm = mx + num_heads;
             const float *qr = q + r * q_row_stride;
             const int64_t *table = block_ids + r * max_blocks;
