@@ -101,9 +101,9 @@ class ThreadChoice:
     depends on the moment, so both are timed: each step of up to `MAX_ROWS` rows runs on the
     count with the lower median over its last `WINDOW` steps of that many rows, and every
     `EXPLORE_EVERY`-th step on the other. The medians are taken at those steps only: after a step
-    has streamed the weights, taking them cost ~25 us of a 3.5 ms step. The result is the same on either count (the
-    attention's spans are cut for torch's count), so the choice changes only the time.
-    `fixed` pins a count instead.
+    has streamed the weights, taking them cost ~25 us of a 3.5 ms step. The result is the same on
+    either count (the attention's spans are cut for torch's count), so the choice changes only the
+    time. `fixed` pins a count instead.
     """
 
     MAX_ROWS = 4

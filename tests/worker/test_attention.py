@@ -174,10 +174,10 @@ def test_batch_invariant_decode_attention_depends_on_the_row_alone(kv_dtype):
 
     def attend(rows: list[int], threads: int) -> dict[int, torch.Tensor]:
         meta = build_metadata([cached[r] for r in rows], [1] * len(rows), [tables[r] for r in rows], block_size, "cpu")
-        before = torch.get_num_threads()
+        batch, before = meta.decodes, torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            out = native.decode_attention(q[rows], layer, meta.decodes.block_ids, meta.decodes.context_lens, invariant=True)
+            out = native.decode_attention(q[rows], layer, batch.block_ids, batch.context_lens, invariant=True)
         finally:
             torch.set_num_threads(before)
         return dict(zip(rows, out))
