@@ -114,10 +114,9 @@ def run(args: argparse.Namespace) -> int:
         out["kv_bytes_per_step"] = kv_bytes
         for key, num_bytes in (("", out["weight_bytes_per_step"]), ("_with_kv", out["weight_bytes_per_step"] + kv_bytes)):
             out["bandwidth_limit_ms" if not key else "limit_with_kv_ms"] = num_bytes / (gbps * 1e9) * 1e3
-            # each step over the limit at its own round's read, then the median
-            out["itl_over_limit" + key] = statistics.median(t * g * 1e9 / num_bytes for t, g in zip(steps[name], round_gbps))
+            out["itl_over_limit" + key] = over_limit(zip(steps[name], round_gbps), num_bytes)
         out["itl_over_limit_by_read"] = {
-            state: statistics.median(t * g * 1e9 / out["weight_bytes_per_step"] for t, g in pairs)
+            state: over_limit(pairs, out["weight_bytes_per_step"])
             for state, pairs in by_read_state(steps[name], round_gbps).items()
         }
     print(markdown(results))
@@ -249,6 +248,12 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float):
     round_gbps = [num_bytes / min(r, s) / 1e9 for r, s in zip(reads, sums)]
     native_gbps, torch_gbps = (num_bytes / statistics.median(r) / 1e9 for r in (reads, sums))
     return {name: times for name, (_, _, times) in state.items()}, round_gbps, max(native_gbps, torch_gbps), torch_gbps
+
+
+def over_limit(pairs, num_bytes: int) -> float:
+    """The median over (step seconds, read GB/s) pairs of each step over the limit at its own
+    round's read: the time of reading `num_bytes` at that speed."""
+    return statistics.median(t * g * 1e9 / num_bytes for t, g in pairs)
 
 
 def by_read_state(times: list[float], round_gbps: list[float]) -> dict[str, list[tuple[float, float]]]:
