@@ -20,7 +20,9 @@ load), the same model file:
   two medians) — the ITL no kernel could beat. ITL / limit pairs each step with its own
   round's read (the median of step / limit that round): the read here switches between ~33 and
   ~60 GB/s within seconds, and a run's median read may belong to other steps than its median
-  step. Beside it the limit for the weights and the `--context` tokens of KV a step's attention
+  step. Each round also times a cache line's trip between the two cores (~40 ns where they
+  share a cache, ~170 where they do not: the host places them), and the ratio is given per
+  placement and read too. Beside it the limit for the weights and the `--context` tokens of KV a step's attention
   reads too (K and V of every layer: ~24 MB at 512 tokens in float32, a quarter of the GGUF's
   packed weights; half that in bfloat16).
 
@@ -105,9 +107,10 @@ def run(args: argparse.Namespace) -> int:
         }
         print(f"{name}: agreement {out['token_agreement']:.3f}, ppl {out['perplexity']:.3f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
-    steps, round_gbps, gbps, torch_gbps = decode_itl(models, cfg, args.context, args.steps, args.read_gb)
+    steps, round_gbps, round_ns, gbps, torch_gbps = decode_itl(models, cfg, args.context, args.steps, args.read_gb)
     results["read_gbps"], results["torch_sum_gbps"] = gbps, torch_gbps
     results["read_gbps_range"] = [min(round_gbps), max(round_gbps)]
+    results["core_latency_ns_range"] = [min(round_ns), max(round_ns)]
     for name, out in results["precisions"].items():
         kv_bytes = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.context, models[name][2].itemsize)
         out["itl_ms"] = 1e3 * statistics.median(steps[name])
@@ -115,9 +118,9 @@ def run(args: argparse.Namespace) -> int:
         for key, num_bytes in (("", out["weight_bytes_per_step"]), ("_with_kv", out["weight_bytes_per_step"] + kv_bytes)):
             out["bandwidth_limit_ms" if not key else "limit_with_kv_ms"] = num_bytes / (gbps * 1e9) * 1e3
             out["itl_over_limit" + key] = over_limit(zip(steps[name], round_gbps), num_bytes)
-        out["itl_over_limit_by_read"] = {
+        out["itl_over_limit_by_state"] = {
             state: over_limit(pairs, out["weight_bytes_per_step"])
-            for state, pairs in by_read_state(steps[name], round_gbps).items()
+            for state, pairs in by_state(steps[name], round_gbps, round_ns).items()
         }
     print(markdown(results))
     if args.json:
@@ -215,8 +218,9 @@ def step_weight_bytes(model: LlamaModel) -> int:
 def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float):
     """Seconds of each one-request decode step at `context` tokens per precision, the GB/s of each
     round's read of a `read_gb` GB buffer (far larger than the caches, in huge pages as the
-    weights are: the faster of the kernels' streaming read and torch's sum that round), and the
-    median GB/s of each of the two reads. Measured in turns, a step of each precision and the
+    weights are: the faster of the kernels' streaming read and torch's sum that round), each
+    round's core-to-core latency (ns; 0 without the kernels), and the median GB/s of each of the
+    two reads. Measured in turns, a step of each precision and the
     reads each round, so that a step and the read beside it see the same machine: the read here
     switches between ~33 and ~60 GB/s within seconds (docs/benchmarks.md)."""
     blocks = -(-(context + steps + 1) // BLOCK)
@@ -230,7 +234,7 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float):
     buf = huge_page_host_tensor((int(read_gb * 1e9) // 64 * 16,), torch.float32).fill_(1.0)
     native = cpu_kernels.kernels()
     read = (lambda: native.read(buf)) if native is not None else buf.sum  # torch's twice without kernels
-    reads, sums = [], []
+    reads, sums, round_ns = [], [], []
     for i in range(steps + 2):
         for name, (model, pool, times) in state.items():
             pos = context + i
@@ -244,10 +248,13 @@ def decode_itl(models: dict, cfg, context: int, steps: int, read_gb: float):
             f()
             if i >= 2:
                 out.append(time.perf_counter() - t)
+        if i >= 2:
+            round_ns.append(native.core_latency_ns() if native is not None else 0.0)
     num_bytes = buf.numel() * 4
     round_gbps = [num_bytes / min(r, s) / 1e9 for r, s in zip(reads, sums)]
     native_gbps, torch_gbps = (num_bytes / statistics.median(r) / 1e9 for r in (reads, sums))
-    return {name: times for name, (_, _, times) in state.items()}, round_gbps, max(native_gbps, torch_gbps), torch_gbps
+    times = {name: times for name, (_, _, times) in state.items()}
+    return times, round_gbps, round_ns, max(native_gbps, torch_gbps), torch_gbps
 
 
 def over_limit(pairs, num_bytes: int) -> float:
@@ -256,25 +263,34 @@ def over_limit(pairs, num_bytes: int) -> float:
     return statistics.median(t * g * 1e9 / num_bytes for t, g in pairs)
 
 
-def by_read_state(times: list[float], round_gbps: list[float]) -> dict[str, list[tuple[float, float]]]:
-    """(step, read) pairs of the rounds whose read was below the midpoint of the run's range and
-    of those at or above it, each keyed by its reads' range ("33-36 GB/s"), where the range is
-    wide enough (1.3x) to hold two states and a side has at least 5 rounds."""
-    low, high = min(round_gbps), max(round_gbps)
-    if high < 1.3 * low:
-        return {}
-    mid = (low + high) / 2
-    sides = ([p for p in zip(times, round_gbps) if p[1] < mid], [p for p in zip(times, round_gbps) if p[1] >= mid])
-    return {
-        f"{min(g for _, g in side):.0f}-{max(g for _, g in side):.0f} GB/s": side for side in sides if len(side) >= 5
-    }
+NEAR_NS = 100  # core-to-core latency below which the two cores share a cache
+
+
+def by_state(times: list[float], round_gbps: list[float], round_ns: list[float]) -> dict[str, list[tuple[float, float]]]:
+    """(step, read) pairs by the rounds' state: where the rounds saw both placements of the cores
+    (sharing a cache or not, by the latency of a line between them), each placement's apart; and
+    within each, where its reads' range is wide enough (1.3x) to hold two states, those below its
+    midpoint and those at or above it. Keyed by placement and the reads' range ("cores apart, 58-66
+    GB/s"); a group of fewer than 5 rounds is left out; {} where the run saw one state."""
+    places: dict[str, list[tuple[float, float]]] = {}
+    for t, g, ns in zip(times, round_gbps, round_ns):
+        places.setdefault("cores apart" if ns >= NEAR_NS else "cores sharing a cache", []).append((t, g))
+    states = {}
+    for place, pairs in places.items():
+        low, high = min(g for _, g in pairs), max(g for _, g in pairs)
+        mid = (low + high) / 2 if high >= 1.3 * low else 0.0
+        for side in ([p for p in pairs if p[1] < mid], [p for p in pairs if p[1] >= mid]):
+            if len(side) >= 5:
+                states[f"{place}, {min(g for _, g in side):.0f}-{max(g for _, g in side):.0f} GB/s"] = side
+    return {} if [len(side) for side in states.values()] == [len(times)] else states
 
 
 def markdown(results: dict) -> str:
     lines = [
         f"memory read: {results['read_gbps']:.1f} GB/s (torch's sum: {results['torch_sum_gbps']:.1f}; rounds "
         f"{results['read_gbps_range'][0]:.0f}-{results['read_gbps_range'][1]:.0f}), "
-        f"{results['threads']} threads",
+        f"{results['threads']} threads, a cache line between cores in {results['core_latency_ns_range'][0]:.0f}-"
+        f"{results['core_latency_ns_range'][1]:.0f} ns",
         "| precision | KV | weights read per step (MB) | 1-stream ITL (ms) | bandwidth limit (ms) | ITL / limit "
         "| limit with the KV (ms) | ITL / that | greedy agreement | identical prompts | perplexity |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -286,14 +302,14 @@ def markdown(results: dict) -> str:
             f"{100 * r['token_agreement']:.1f}% | {100 * r['identical_prompts']:.0f}% | "
             f"{r['perplexity']:.3f} |"
         )
-    states = {s for r in results["precisions"].values() for s in r.get("itl_over_limit_by_read", {})}
-    for state in sorted(states, key=lambda s: float(s.split("-")[0])):
+    states = {s for r in results["precisions"].values() for s in r.get("itl_over_limit_by_state", {})}
+    for state in sorted(states):
         ratios = ", ".join(
-            f"{name.partition(':')[0]} {r['itl_over_limit_by_read'][state]:.2f}"
+            f"{name.partition(':')[0]} {r['itl_over_limit_by_state'][state]:.2f}"
             for name, r in results["precisions"].items()
-            if state in r.get("itl_over_limit_by_read", {})
+            if state in r.get("itl_over_limit_by_state", {})
         )
-        lines.append(f"ITL / limit in the rounds that read {state}: {ratios}")
+        lines.append(f"ITL / limit in the rounds with the {state}: {ratios}")
     return "\n".join(lines)
 
 

@@ -67,6 +67,7 @@ class CpuKernels:
         self._write_kv = _bind(lib.write_kv_f32, [_ptr, _ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _ptr, _i64, _i64])
         self._copy_blocks = _bind(lib.copy_blocks, [_ptr, _ptr, _i64, _ptr, _ptr, _i64])
         self._read_words = _bind(lib.read_words, [_ptr, _i64, c_int], restype=ctypes.c_uint64)
+        self._core_latency = _bind(lib.core_latency_ns, [c_int], restype=ctypes.c_double)
         # Absent where the compiler does not target AVX-512 (csrc: small-batch matmul).
         panels = getattr(lib, "linear_panels_f32", None)
         self._linear = panels and _bind(panels, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int])
@@ -292,6 +293,11 @@ class CpuKernels:
         num_bytes = t.numel() * t.element_size()
         assert t.is_contiguous() and t.data_ptr() % 64 == 0 and num_bytes % 64 == 0
         return self._read_words(t.data_ptr(), num_bytes, threads or _threads())
+
+    def core_latency_ns(self, rounds: int = 2000) -> float:
+        """Nanoseconds a cache line takes from one core to another (two threads passing a counter;
+        csrc/read.c): ~40 where the cores share a cache, ~170 where they do not. 0 on one core."""
+        return self._core_latency(rounds)
 
 
 def _linear(

@@ -95,7 +95,7 @@ class ThreadChoice:
     """How many threads run a decode step of a few rows: torch's count, or one.
 
     A one-row step streams the weights once (memory-bound: one core reads nearly as fast as two
-    here) and meets at ~10 barriers a layer. Where the cores are shared (the gateway, the
+    here) and meets six times a layer. Where the cores are shared (the gateway, the
     scheduler and the client run beside the step; other work on the host), a barrier waits
     for a thread that lost its core, and two threads take longer than one. Which is faster
     depends on the moment, so both are timed: each step of up to `MAX_ROWS` rows runs on the

@@ -122,15 +122,16 @@ class Linear(nn.Module):
     def native(self, rows: int) -> tuple[int, int, int, int] | None:
         """The native matmul `forward` runs for `rows` rows, for a native caller (fused_decode.py):
         (kernel address, flags: 1 where it returns a status, 2 where it writes silu(gate) * up,
-        weight address, bias address or 0); None where `forward` runs a torch op."""
+        4 where it can run as one of its caller's team of threads; weight address, bias address
+        or 0); None where `forward` runs a torch op."""
         bias = 0 if self.bias is None else self.bias.data_ptr()
         if self.quant is not None:
             address = cpu_kernels.kernels().address(cpu_quant.kernel_name(self.quant))
-            return address, 1 | (2 if self.quant.gated else 0), self.quant.data.data_ptr(), bias
+            return address, 1 | 4 | (2 if self.quant.gated else 0), self.quant.data.data_ptr(), bias
         if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
             return cpu_kernels.kernels().address("linear_amx_bf16x3"), 1, self.tiles.data_ptr(), bias
         if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
-            return cpu_kernels.kernels().address("linear_panels_f32"), 0, self.panels.data_ptr(), bias
+            return cpu_kernels.kernels().address("linear_panels_f32"), 4, self.panels.data_ptr(), bias
         return None
 
 

@@ -18,6 +18,8 @@
  * The AVX512-BF16 path is chosen at run time (cpuid); elsewhere a portable C loop does the same
  * products in float32 (slowly: the worker then keeps its float32 layouts).
  */
+#include <omp.h>
+
 #include "kernels.h"
 
 #define BF_ROWS 12
@@ -154,46 +156,68 @@ void pack_bf16_panels(const float *w, int64_t N, int64_t K, uint16_t *out) {
     }
 }
 
+/* Row x [K] -> out, rounded to bfloat16 (by vcvtneps2bf16 where `fast`). */
+static void round_row(const float *x, int64_t K, uint16_t *out, int fast) {
+    if (fast) round_row_bf16(x, K, out);
+    else
+        for (int64_t k = 0; k < K; k++) out[k] = to_bf16(x[k]);
+}
+
+/* One thread's share of a matmul, on a team of threads all calling it: xb is this thread's
+ * bfloat16 copy of x where `own` (it rounds every row itself), else the team's one copy, which the
+ * team rounds row by row first. */
+static void bf16_share(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
+                       int64_t M, int64_t N, int64_t K, int gated, int own, uint16_t *xb) {
+    const int fast = !bf16_force_portable && have_bf16();
+    const int64_t groups = (M + BF_ROWS - 1) / BF_ROWS, group = (M + groups - 1) / groups; /* <= BF_ROWS */
+    const int64_t num_panels = N / PANEL, num_pairs = (num_panels + 1) / 2;
+    if (own) {
+        for (int64_t r = 0; r < M; r++) round_row(x + r * ldx, K, xb + r * K, fast);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) round_row(x + r * ldx, K, xb + r * K, fast);
+    }
+    /* this thread's run of the (row group, panel pair) items, in equal runs */
+    const int64_t items = groups * num_pairs, t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t item = items * t / nt; item < items * (t + 1) / nt; item++) {
+        const int64_t g = item / num_pairs, pair = item % num_pairs;
+        const int64_t m0 = g * group, rows = M - m0 < group ? M - m0 : group, p = 2 * pair;
+        if (rows <= 0) continue;
+        const int P = p + 1 < num_panels ? 2 : 1;
+        const uint16_t *wp = w + p * K * PANEL;
+        const float *bp = bias ? bias + p * PANEL : 0;
+        float *yp = y + m0 * ldy + (gated ? pair : p) * PANEL;
+        if (fast) tile_bf16_rows(xb + m0 * K, K, wp, bp, yp, ldy, rows, P, gated);
+        else {
+            float gu[BF_ROWS * 2 * PANEL]; /* gated: the tile's gate and up products */
+            float *out = gated ? gu : yp;
+            const int64_t ld = gated ? 2 * PANEL : ldy;
+            for (int q = 0; q < P; q++)
+                panel_bf16_portable(xb + m0 * K, K, wp + q * 2 * PANEL, P * 2 * PANEL, bp ? bp + q * PANEL : 0,
+                                    out + q * PANEL, ld, rows);
+            if (gated) gate_rows(out, ld, yp, ldy, rows);
+        }
+    }
+}
+
 /* x: [M, K] rows ldx apart; w: packed by pack_bf16_panels; bias: [N] or NULL; y: [M, N] rows ldy
  * apart, or [M, N / 2] where gated (each pair of panels gate then up columns: silu(gate) * up).
- * Returns -1 (y untouched) without memory for the rounded copy of x. */
+ * Called inside a parallel region (decode_step.c), every thread of the team calls it and it
+ * returns, y complete, on every thread after they meet; elsewhere it runs on num_threads threads
+ * of its own. Returns -1 (y incomplete) without memory for the rounded copy of x. */
 static int linear_bf16_any(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
                            int64_t M, int64_t N, int64_t K, int num_threads, int gated) {
     if (M <= 0) return 0;
-    const int fast = !bf16_force_portable && have_bf16();
-    const int64_t groups = (M + BF_ROWS - 1) / BF_ROWS, group = (M + groups - 1) / groups; /* <= BF_ROWS */
     uint16_t *xb = malloc(sizeof(uint16_t) * M * K);
-    if (!xb) return -1;
-    const int64_t num_panels = N / PANEL, num_pairs = (num_panels + 1) / 2;
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++) {
-            if (fast) round_row_bf16(x + r * ldx, K, xb + r * K);
-            else
-                for (int64_t k = 0; k < K; k++) xb[r * K + k] = to_bf16(x[r * ldx + k]);
-        }
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t pair = 0; pair < num_pairs; pair++) {
-                const int64_t m0 = g * group, rows = M - m0 < group ? M - m0 : group, p = 2 * pair;
-                if (rows <= 0) continue;
-                const int P = p + 1 < num_panels ? 2 : 1;
-                const uint16_t *wp = w + p * K * PANEL;
-                const float *bp = bias ? bias + p * PANEL : 0;
-                float *yp = y + m0 * ldy + (gated ? pair : p) * PANEL;
-                if (fast) tile_bf16_rows(xb + m0 * K, K, wp, bp, yp, ldy, rows, P, gated);
-                else {
-                    float gu[BF_ROWS * 2 * PANEL]; /* gated: the tile's gate and up products */
-                    float *out = gated ? gu : yp;
-                    const int64_t ld = gated ? 2 * PANEL : ldy;
-                    for (int q = 0; q < P; q++)
-                        panel_bf16_portable(xb + m0 * K, K, wp + q * 2 * PANEL, P * 2 * PANEL, bp ? bp + q * PANEL : 0,
-                                            out + q * PANEL, ld, rows);
-                    if (gated) gate_rows(out, ld, yp, ldy, rows);
-                }
-            }
+    if (omp_in_parallel()) { /* a member of the caller's team: its own copy */
+        if (xb) bf16_share(x, ldx, w, bias, y, ldy, M, N, K, gated, 1, xb);
+        free(xb);
+#pragma omp barrier
+        return xb ? 0 : -1;
     }
+    if (!xb) return -1;
+#pragma omp parallel num_threads(num_threads)
+    bf16_share(x, ldx, w, bias, y, ldy, M, N, K, gated, 0, xb);
     free(xb);
     return 0;
 }

@@ -16,6 +16,8 @@
  * with side 0 = K, 1 = V; the pool holds float32 or bfloat16 (kernels.h), the queries and the
  * output are float32.
  */
+#include <omp.h>
+
 #include "kernels.h"
 
 #define SPAN_MIN_KEYS 64   /* keys per work item at least: smaller spans cost more to merge than they gain */
@@ -395,6 +397,108 @@ static int64_t row_span(int64_t ctx, int64_t block_size) {
     return (span + block_size - 1) / block_size * block_size;
 }
 
+/* The work items of a step: row r's are items [first[r], first[r + 1]), spans[r] keys each (the last
+ * one fewer). Spans cut for `span_threads` threads, or batch-invariant where it is 0 (see
+ * paged_decode_attention_spans). first: [num_rows + 1], spans: [num_rows]; returns the item count. */
+int64_t decode_attention_plan(const int64_t *ctx_lens, int64_t num_rows, int64_t block_size, int span_threads,
+                              int64_t *first, int64_t *spans) {
+    /* Cut for the batch: whole blocks, about SPANS_PER_THREAD items per thread over the batch (one
+     * for a request alone, which shares evenly without them). */
+    int64_t span = 0;
+    if (span_threads > 0) {
+        int64_t total = 0;
+        for (int64_t r = 0; r < num_rows; r++) total += ctx_lens[r];
+        const int64_t items = (int64_t)span_threads * (num_rows > 1 ? SPANS_PER_THREAD : 1);
+        span = (total + items - 1) / items;
+        span = span > SPAN_MIN_KEYS ? span : SPAN_MIN_KEYS;
+        span = (span + block_size - 1) / block_size * block_size;
+    }
+    first[0] = 0;
+    for (int64_t r = 0; r < num_rows; r++) {
+        spans[r] = span ? span : row_span(ctx_lens[r], block_size);
+        first[r + 1] = first[r] + (ctx_lens[r] + spans[r] - 1) / spans[r];
+    }
+    return first[num_rows];
+}
+
+/* The row whose items include item i (first as decode_attention_plan fills it). */
+static int64_t item_row(const int64_t *first, int64_t num_rows, int64_t i) {
+    int64_t lo = 0, hi = num_rows - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (first[mid] <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Every thread of a team calls it: the items shared out, then each row's partial softmaxes merged
+ * into out, by the row shared out where `own_out` is 0, else each thread every row into its own out
+ * (the fused decode step's threads each keep a copy: no second meeting). part: per item its acc
+ * [H, D], max [H] and sum [H]. */
+static void attention_share(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16, int64_t block_stride,
+                            int64_t side_stride, const int64_t *block_ids, int64_t max_blocks, const int64_t *ctx_lens,
+                            const int64_t *first, const int64_t *spans, float *part, float *out, int own_out,
+                            int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, float scale) {
+    const int64_t part_size = num_heads * (head_dim + 2);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < first[num_rows]; i++) {
+        const int64_t r = item_row(first, num_rows, i), start = (i - first[r]) * spans[r];
+        const int64_t end = start + spans[r] < ctx_lens[r] ? start + spans[r] : ctx_lens[r];
+        float *acc = part + i * part_size, *mx = acc + num_heads * head_dim, *sm = mx + num_heads;
+        const float *qr = q + r * q_row_stride;
+        const int64_t *table = block_ids + r * max_blocks;
+        if (kv_bf16)
+            attend_item(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, head_dim,
+                        block_size, scale, acc, mx, sm, 1);
+        else
+            attend_item(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, head_dim,
+                        block_size, scale, acc, mx, sm, 0);
+    }
+    const int64_t t = own_out ? 0 : omp_get_thread_num(), nt = own_out ? 1 : omp_get_num_threads();
+    for (int64_t r = num_rows * t / nt; r < num_rows * (t + 1) / nt; r++) {
+        for (int64_t h = 0; h < num_heads; h++) {
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t i = first[r]; i < first[r + 1]; i++) {
+                const float *mx = part + i * part_size + num_heads * head_dim;
+                m = mx[h] > m ? mx[h] : m;
+            }
+            float *o = out + (r * num_heads + h) * head_dim;
+            memset(o, 0, sizeof(float) * head_dim);
+            for (int64_t i = first[r]; i < first[r + 1]; i++) {
+                const float *acc = part + i * part_size, *mx = acc + num_heads * head_dim, *sm = mx + num_heads;
+                const float w = exp_nonpositive(mx[h] - m);
+                sum += sm[h] * w;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) o[d] += w * acc[h * head_dim + d];
+            }
+            const float inv = 1.0f / sum;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
+        }
+    }
+}
+
+/* paged_decode_attention_spans with its items planned (decode_attention_plan) and `part` scratch
+ * for num_heads * (head_dim + 2) floats an item. Called inside a parallel region (decode_step.c),
+ * every thread of the team calls it, each with its own `out`, which it returns complete; elsewhere
+ * it runs on num_threads threads of its own. */
+void decode_attention_planned(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16, int64_t block_stride,
+                              int64_t side_stride, const int64_t *block_ids, int64_t max_blocks,
+                              const int64_t *ctx_lens, const int64_t *first, const int64_t *spans, float *part,
+                              float *out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t block_size, float scale, int num_threads) {
+    if (omp_in_parallel()) {
+        attention_share(q, q_row_stride, kv, kv_bf16, block_stride, side_stride, block_ids, max_blocks, ctx_lens, first,
+                        spans, part, out, 1, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale);
+        return;
+    }
+#pragma omp parallel num_threads(num_threads)
+    attention_share(q, q_row_stride, kv, kv_bf16, block_stride, side_stride, block_ids, max_blocks, ctx_lens, first,
+                    spans, part, out, 0, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale);
+}
+
 /* q: [R, H, D] rows `q_row_stride` floats apart (heads contiguous); out: [R, H, D] contiguous.
  * kv: the layer's view of a float32 pool, or of a bfloat16 one where kv_bf16 (strides in elements).
  * block_ids: [R, max_blocks]; ctx_lens: [R] keys per request (the new token's included, >= 1).
@@ -408,71 +512,12 @@ void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const vo
                                   int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                   float scale, int span_threads, int num_threads) {
-    /* Cut for the batch: whole blocks, about SPANS_PER_THREAD items per thread over the batch (one
-     * for a request alone, which shares evenly without them). */
-    int64_t span = 0;
-    if (span_threads > 0) {
-        int64_t total = 0;
-        for (int64_t r = 0; r < num_rows; r++) total += ctx_lens[r];
-        const int64_t items = (int64_t)span_threads * (num_rows > 1 ? SPANS_PER_THREAD : 1);
-        span = (total + items - 1) / items;
-        span = span > SPAN_MIN_KEYS ? span : SPAN_MIN_KEYS;
-        span = (span + block_size - 1) / block_size * block_size;
-    }
     int64_t *first = malloc(sizeof(int64_t) * (2 * num_rows + 1)), *spans = first + num_rows + 1;
-    first[0] = 0; /* each row's first item, and its span */
-    for (int64_t r = 0; r < num_rows; r++) {
-        spans[r] = span ? span : row_span(ctx_lens[r], block_size);
-        first[r + 1] = first[r] + (ctx_lens[r] + spans[r] - 1) / spans[r];
-    }
-    const int64_t num_items = first[num_rows];
-    int64_t *item_row = malloc(sizeof(int64_t) * num_items);
-    for (int64_t r = 0; r < num_rows; r++)
-        for (int64_t i = first[r]; i < first[r + 1]; i++) item_row[i] = r;
-    /* Per item: acc [H, D], then max [H], then sum [H]. */
-    const int64_t part_size = num_heads * (head_dim + 2);
-    float *part = malloc(sizeof(float) * part_size * num_items);
-
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_items; i++) {
-            const int64_t r = item_row[i], start = (i - first[r]) * spans[r];
-            const int64_t end = start + spans[r] < ctx_lens[r] ? start + spans[r] : ctx_lens[r];
-            float *acc = part + i * part_size, *mx = acc + num_heads * head_dim, *sm = mx + num_heads;
-            const float *qr = q + r * q_row_stride;
-            const int64_t *table = block_ids + r * max_blocks;
-            if (kv_bf16)
-                attend_item(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, head_dim,
-                            block_size, scale, acc, mx, sm, 1);
-            else
-                attend_item(qr, kv, block_stride, side_stride, table, start, end, num_heads, num_kv_heads, head_dim,
-                            block_size, scale, acc, mx, sm, 0);
-        }
-#pragma omp for schedule(static) nowait
-        for (int64_t r = 0; r < num_rows; r++) {
-            for (int64_t h = 0; h < num_heads; h++) {
-                float m = -INFINITY, sum = 0.0f;
-                for (int64_t i = first[r]; i < first[r + 1]; i++) {
-                    const float *mx = part + i * part_size + num_heads * head_dim;
-                    m = mx[h] > m ? mx[h] : m;
-                }
-                float *o = out + (r * num_heads + h) * head_dim;
-                memset(o, 0, sizeof(float) * head_dim);
-                for (int64_t i = first[r]; i < first[r + 1]; i++) {
-                    const float *acc = part + i * part_size, *mx = acc + num_heads * head_dim, *sm = mx + num_heads;
-                    const float w = exp_nonpositive(mx[h] - m);
-                    sum += sm[h] * w;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) o[d] += w * acc[h * head_dim + d];
-                }
-                const float inv = 1.0f / sum;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
-            }
-        }
-    }
+    const int64_t num_items = decode_attention_plan(ctx_lens, num_rows, block_size, span_threads, first, spans);
+    float *part = malloc(sizeof(float) * num_heads * (head_dim + 2) * num_items);
+    decode_attention_planned(q, q_row_stride, kv, kv_bf16, block_stride, side_stride, block_ids, max_blocks, ctx_lens,
+                             first, spans, part, out, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
+                             num_threads);
     free(part);
-    free(item_row);
     free(first);
 }

@@ -1,4 +1,6 @@
 /* Float32 matmuls (services/worker/cpu_kernels.py). */
+#include <omp.h>
+
 #include "kernels.h"
 
 /* ------------------------------------------------------------ small-batch matmul (AVX-512 only)
@@ -64,15 +66,12 @@ static void panel_tile_rows(const float *x, int64_t ldx, const float *w, int64_t
     }
 }
 
-/* x: [M, K] rows ldx apart; w: [N / 32][K][32] then, where N / 16 is odd, [K][16]; bias: [N] or
- * NULL; y: [M, N] rows ldy apart. N a multiple of 16. The threads split the panel pairs; rows go
- * in equal groups of <= 12. */
-void linear_panels_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
-                       int64_t M, int64_t N, int64_t K, int num_threads) {
-    if (M <= 0) return;
+/* Every thread of a team calls it: its share of the panel pairs. */
+static void panels_share(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
+                         int64_t M, int64_t N, int64_t K) {
     const int64_t num_panels = N / PANEL, num_pairs = (num_panels + 1) / 2;
     const int64_t num_groups = (M + TILE_ROWS - 1) / TILE_ROWS, group = (M + num_groups - 1) / num_groups;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp for schedule(static)
     for (int64_t pair = 0; pair < num_pairs; pair++) {
         const int64_t p = 2 * pair;
         const int P = p + 1 < num_panels ? 2 : 1;
@@ -82,5 +81,21 @@ void linear_panels_f32(const float *x, int64_t ldx, const float *w, const float 
                             bias ? bias + p * PANEL : 0, rows, P);
         }
     }
+}
+
+/* x: [M, K] rows ldx apart; w: [N / 32][K][32] then, where N / 16 is odd, [K][16]; bias: [N] or
+ * NULL; y: [M, N] rows ldy apart. N a multiple of 16. The threads split the panel pairs; rows go
+ * in equal groups of <= 12. Called inside a parallel region (decode_step.c), every thread of the
+ * team calls it and it returns, y complete, after they meet; elsewhere it runs on num_threads
+ * threads of its own. */
+void linear_panels_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
+                       int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M <= 0) return;
+    if (omp_in_parallel()) {
+        panels_share(x, ldx, w, bias, y, ldy, M, N, K);
+        return;
+    }
+#pragma omp parallel num_threads(num_threads)
+    panels_share(x, ldx, w, bias, y, ldy, M, N, K);
 }
 #endif

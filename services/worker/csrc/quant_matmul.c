@@ -321,59 +321,75 @@ static inline void rows_by_panel(const int8_t *xq, const float *dx, const float 
     else panel_portable(xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, panel_at(w, p, pb), bits, has_m, bp, yr, ldy, rows);
 }
 
+/* One thread's share of a matmul, on a team of threads all calling it: xq, dx: this thread's int8
+ * copy of x and its scales, where `own` (each thread quantizes every row itself, so the threads
+ * meet only at the end), else the team's one copy, which the team quantizes row by row first. */
+static void quant_share(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy,
+                        int64_t M, int64_t N, int64_t K, int bits, int has_m, int own, int8_t *xq, float *dx) {
+    const int64_t nb = K / QBLOCK, num_panels = N / 16, pb = panel_bytes(bits, has_m, nb);
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    if (M <= dequant_rows && !force_portable) {
+        int64_t p0, p1;
+        thread_panels(num_panels, t, nt, &p0, &p1);
+        for (int64_t p = p0; p < p1; p++)
+            panel_deq_rows(x, ldx, K, panel_at(w, p, pb), bits, has_m, bias ? bias + p * 16 : 0, y + p * 16, ldy, M);
+        return;
+    }
+    float *sx = dx + M * nb;
+    if (own) {
+        for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
+    }
+    const int vnni = !force_portable && have_vnni();
+    const int64_t groups = (M + QTILE - 1) / QTILE, group = (M + groups - 1) / groups;
+    if (groups == 1) { /* each thread its part of the panels (one stream across the step's matrices) */
+        int64_t p0, p1;
+        thread_panels(num_panels, t, nt, &p0, &p1);
+        for (int64_t p = p0; p < p1; p++) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, 0, M, vnni);
+    } else {
+#pragma omp for schedule(static) collapse(2) nowait
+        for (int64_t m0g = 0; m0g < groups; m0g++)
+            for (int64_t p = 0; p < num_panels; p++) {
+                const int64_t m0 = m0g * group, rows = M - m0 < group ? M - m0 : group;
+                if (rows > 0) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, m0, rows, vnni);
+            }
+    }
+}
+
 /* x: [M, K] rows ldx apart; w: packed (its layout line, then N / 16 panels of panel_bytes each,
  * in one part or several); bias: [N] or NULL; y: [M, N] rows ldy apart. N % 16 == K % 32 == 0.
- * Returns -1 (y untouched) without memory for xq. */
+ * Called inside a parallel region (decode_step.c), every thread of the team calls it and it
+ * returns, y complete, on every thread after they meet; elsewhere it runs on num_threads threads
+ * of its own. Returns -1 (y incomplete) without memory for xq. */
 static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K, int num_threads, int bits, int has_m) {
     if (M <= 0) return 0;
-    const int64_t nb = K / QBLOCK, num_panels = N / 16, pb = panel_bytes(bits, has_m, nb);
-    if (M <= dequant_rows && !force_portable) {
-#pragma omp parallel num_threads(num_threads)
-        {
-            int64_t p0, p1;
-            thread_panels(num_panels, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
-            for (int64_t p = p0; p < p1; p++)
-                panel_deq_rows(x, ldx, K, panel_at(w, p, pb), bits, has_m, bias ? bias + p * 16 : 0, y + p * 16, ldy, M);
-        }
-        return 0;
+    const int64_t nb = K / QBLOCK, xq_size = (M * K + 63) / 64 * 64, dx_size = 2 * M * nb;
+    if (omp_in_parallel()) { /* a member of the caller's team: its own copy */
+        int8_t *xq = aligned_alloc(64, (size_t)xq_size);
+        float *dx = malloc(sizeof(float) * dx_size);
+        if (xq && dx) quant_share(x, ldx, w, bias, y, ldy, M, N, K, bits, has_m, 1, xq, dx);
+        free(xq);
+        free(dx);
+#pragma omp barrier
+        return xq && dx ? 0 : -1;
     }
     /* A few rows: every thread quantizes them all into its own copy, so the threads meet only
      * once, at the end (decode steps run ~10 such matmuls a layer). More rows are split. */
     const int own = M <= QTILE && num_threads > 1, copies = own ? num_threads : 1;
-    const int64_t xq_size = (M * K + 63) / 64 * 64;
     int8_t *xq_all = aligned_alloc(64, (size_t)(xq_size * copies));
-    float *dx_all = malloc(sizeof(float) * 2 * M * nb * copies);
+    float *dx_all = malloc(sizeof(float) * dx_size * copies);
     if (!xq_all || !dx_all) {
         free(xq_all);
         free(dx_all);
         return -1;
     }
-    const int vnni = !force_portable && have_vnni();
-    const int64_t groups = (M + QTILE - 1) / QTILE, group = (M + groups - 1) / groups;
 #pragma omp parallel num_threads(num_threads)
     {
         const int copy = own ? omp_get_thread_num() : 0;
-        int8_t *xq = xq_all + copy * xq_size;
-        float *dx = dx_all + copy * 2 * M * nb, *sx = dx + M * nb;
-        if (own) {
-            for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
-        }
-        if (groups == 1) { /* each thread its part of the panels (one stream across the step's matrices) */
-            int64_t p0, p1;
-            thread_panels(num_panels, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
-            for (int64_t p = p0; p < p1; p++) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, 0, M, vnni);
-        } else {
-#pragma omp for schedule(static) collapse(2) nowait
-            for (int64_t m0g = 0; m0g < groups; m0g++)
-                for (int64_t p = 0; p < num_panels; p++) {
-                    const int64_t m0 = m0g * group, rows = M - m0 < group ? M - m0 : group;
-                    if (rows > 0) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, m0, rows, vnni);
-                }
-        }
+        quant_share(x, ldx, w, bias, y, ldy, M, N, K, bits, has_m, own, xq_all + copy * xq_size, dx_all + copy * dx_size);
     }
     free(xq_all);
     free(dx_all);
