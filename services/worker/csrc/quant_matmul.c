@@ -348,13 +348,12 @@ static void quant_share(const float *x, int64_t ldx, const uint8_t *w, const flo
         int64_t p0, p1;
         thread_panels(num_panels, t, nt, &p0, &p1);
         for (int64_t p = p0; p < p1; p++) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, 0, M, vnni);
-    } else {
-#pragma omp for schedule(static) collapse(2) nowait
-        for (int64_t m0g = 0; m0g < groups; m0g++)
-            for (int64_t p = 0; p < num_panels; p++) {
-                const int64_t m0 = m0g * group, rows = M - m0 < group ? M - m0 : group;
-                if (rows > 0) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, m0, rows, vnni);
-            }
+    } else { /* this thread's run of the (row group, panel) items, in equal runs */
+        const int64_t items = groups * num_panels;
+        for (int64_t item = items * t / nt; item < items * (t + 1) / nt; item++) {
+            const int64_t m0 = item / num_panels * group, p = item % num_panels, rows = M - m0 < group ? M - m0 : group;
+            if (rows > 0) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, m0, rows, vnni);
+        }
     }
 }
 
