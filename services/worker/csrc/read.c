@@ -24,10 +24,10 @@ uint64_t read_words(const uint64_t *p, int64_t n, int num_threads) {
 }
 
 /* The time a cache line takes from one thread to another, in ns: two threads pass a counter back
- * and forth `rounds` times, each waiting for the other's write. On this project's 2-core
- * machines it reads ~40 ns where the two cores share a cache and ~170 ns where they do not;
- * `superinfer bench quant` records it beside each round's read, since every place a step's
- * threads meet costs accordingly. 0 on one thread. */
+ * and forth `rounds` times, each waiting for the other's write. On a 2-core virtual machine
+ * whose host moves its cores it reads ~40 ns where the two share a cache and ~170 ns where they
+ * do not; `superinfer bench quant` records it beside each round's read, since every place a
+ * step's threads meet costs accordingly. 0 on one core. */
 double core_latency_ns(int rounds) {
     static volatile int64_t turn __attribute__((aligned(64)));
     double ns = 0.0;
