@@ -111,7 +111,10 @@ def make_core(policy: str = "fcfs", num_hbm: int = 64, num_dram: int = 256, max_
 
 
 def add(core: SchedulerCore, rid: str, prompt_len: int, max_tokens: int, now: float = 0.0, **params) -> None:
-    prompt = [10 + (hash(rid) + i) % 500 for i in range(prompt_len)]
+    # Tokens drawn from a generator seeded by the id (str seeds are hashed stably, unlike hash(),
+    # which changes per process): two ids' prompts share no block, so no prefix is cached by chance.
+    gen = random.Random(rid)
+    prompt = [gen.randrange(10, 510) for _ in range(prompt_len)]
     core.add_request(AddRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, **params)), now)
 
 
