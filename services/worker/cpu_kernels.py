@@ -63,7 +63,7 @@ class CpuKernels:
         self._rope_angles = _bind(lib.rope_angles_f32, [_ptr, _i64, _ptr, _i64, _ptr, _ptr])
         self._silu_and_mul = _bind(lib.silu_and_mul_f32, [_ptr, _ptr, _i64, _i64, c_int])
         self._argmax = _bind(lib.argmax_rows_f32, [_ptr, _i64, _i64, _ptr])
-        self._sample = _bind(lib.sample_rows_f32, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr], restype=c_int)
+        self._sample = _bind(lib.sample_rows_f32, [_ptr, _i64, _i64] + [_ptr] * 6, restype=c_int)
         self._write_kv = _bind(lib.write_kv_f32, [_ptr, _ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _ptr, _i64, _i64])
         self._copy_blocks = _bind(lib.copy_blocks, [_ptr, _ptr, _i64, _ptr, _ptr, _i64])
         self._read_words = _bind(lib.read_words, [_ptr, _i64, c_int], restype=ctypes.c_uint64)
@@ -199,18 +199,25 @@ class CpuKernels:
         return list(out)
 
     def sample(
-        self, scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float], u: list[float]
+        self,
+        logits: torch.Tensor,
+        temperature: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        min_p: list[float],
+        u: list[float],
     ) -> list[int]:
-        """scaled: [R, V] contiguous, each row divided by its temperature -> one drawn id per
-        row, filtered by its top_k (0: none), top_p (>= 1: none) and min_p (0: none), from its
-        uniform u in [0, 1) (csrc/sampling.c)."""
-        num_rows, vocab = scaled.shape
+        """logits: [R, V] contiguous -> one drawn id per row: the row divided by its temperature
+        (> 0, rounded to float32 as a float32 tensor of them would be), filtered by its top_k (0:
+        none), top_p (>= 1: none) and min_p (0: none), drawn with its uniform u in [0, 1)
+        (csrc/sampling.c)."""
+        num_rows, vocab = logits.shape
         # ctypes arrays, not tensors: after a step has streamed the weights through the caches,
         # each torch op costs ~25 us, more than the kernel's work on a row.
         longs, doubles = ctypes.c_int64 * num_rows, ctypes.c_double * num_rows
         out = longs()
-        args = (longs(*top_k), doubles(*top_p), doubles(*min_p), doubles(*u), out)
-        if self._sample(scaled.data_ptr(), num_rows, vocab, *map(ctypes.addressof, args)):
+        args = ((ctypes.c_float * num_rows)(*temperature), longs(*top_k), doubles(*top_p), doubles(*min_p), doubles(*u), out)
+        if self._sample(logits.data_ptr(), num_rows, vocab, *map(ctypes.addressof, args)):
             raise MemoryError("no memory for the sampler's scratch")
         return list(out)
 

@@ -16,6 +16,7 @@ panels or AMX tiles); elsewhere `run` returns None and the model runs op by op.
 
 from __future__ import annotations
 
+import array
 import collections
 import ctypes
 import statistics
@@ -41,27 +42,96 @@ def run(model, token_ids: torch.Tensor, positions: torch.Tensor, meta, kv_pool: 
     step = (token_ids, positions, sample_rows, meta.slot_blocks, meta.slot_offsets, batch.block_ids, batch.context_lens)
     if positions.shape != (num_rows,) or not all(t.dtype is torch.long and t.is_cpu and t.is_contiguous() for t in step):
         return None
+    logits = torch.empty(num_samples, model.lm_head.out_features)
+    inputs = [t.data_ptr() for t in step]
+    ok = _launch(plan, model, kv_pool, num_rows, batch.block_ids.shape[1], num_samples, inputs, logits.data_ptr(), None)
+    return logits if ok else None
+
+
+class Decodes:
+    """A runner's steps of decodes straight from its own lists (runner.py), the common step.
+
+    `run` above takes tensors and AttentionMetadata, as the model's forward does. After a step has
+    streamed the weights through the caches each torch op is cold, ~10-60 us (an empty tensor, a
+    context manager, a module call): a served one-request gguf step spent ~0.55 ms around its
+    ~2.9 ms call, building the metadata, the inputs and the logits and picking the token. Here the
+    step's integers go into one array, the logits into a buffer kept across steps, and the greedy
+    tokens are picked in the same native call: the same call on the same values, so the same
+    logits and tokens to the bit (tests/worker/test_fused_decode.py)."""
+
+    def __init__(self, model, kv_pool: torch.Tensor, block_size: int):
+        self.model, self.kv_pool, self.block_size = model, kv_pool, block_size
+        self._logits = torch.empty(0, 0)
+        self._views: dict[int, torch.Tensor] = {}  # rows -> the buffer's first rows (a slice is a torch op)
+
+    def run(
+        self, token_ids: list[int], positions: list[int], tables: list[list[int]], sample_rows: list[int], pick: bool
+    ) -> tuple[torch.Tensor, list[int] | None] | None:
+        """A step of single-token rows: row i is token_ids[i] at positions[i] of a request whose
+        block table is tables[i]. Returns (the logits of `sample_rows` [S, vocab], a view of a
+        buffer that the next step overwrites; where `pick`, each of those rows' argmax, else None),
+        or None (nothing touched) where the fused call does not apply."""
+        plan = _plan(self.model, self.kv_pool)
+        if plan is None:
+            return None
+        num_rows, num_samples, size = len(token_ids), len(sample_rows), self.block_size
+        contexts = [p + 1 for p in positions]  # keys per row, the new one included
+        used = [-(-c // size) for c in contexts]  # blocks per row
+        for table, c, u in zip(tables, contexts, used):
+            if len(table) < u:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {c} tokens")
+        width = max(used)
+        words = array.array("q", token_ids)
+        for part in (positions, sample_rows, [t[p // size] for t, p in zip(tables, positions)], [p % size for p in positions]):
+            words.extend(part)
+        for table, u in zip(tables, used):  # the tables, each padded to the widest with its first block
+            words.extend(table[:u])
+            words.extend(table[:1] * (width - u))
+        words.extend(contexts)
+        base = words.buffer_info()[0]
+        # token_ids, positions, sample_rows, slot blocks, slot offsets, the tables, contexts: as `run`
+        starts = (0, num_rows, 2 * num_rows, 2 * num_rows + num_samples, 3 * num_rows + num_samples)
+        starts += (4 * num_rows + num_samples, (4 + width) * num_rows + num_samples)
+        inputs = [base + 8 * i for i in starts]
+        logits = self._buffer(num_samples)
+        picked = (_i64 * num_samples)() if pick else None
+        if not _launch(plan, self.model, self.kv_pool, num_rows, width, num_samples, inputs, logits.data_ptr(), picked):
+            return None
+        return logits, list(picked) if pick else None
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        view = self._views.get(rows)
+        if view is None:
+            if rows > self._logits.shape[0]:
+                self._logits, self._views = torch.empty(rows, self.model.lm_head.out_features), {}
+            view = self._views[rows] = self._logits[:rows]
+        return view
+
+
+def _launch(plan, model, kv_pool, num_rows, width, num_samples, inputs, logits, picked) -> bool:
+    """csrc/decode_step.c's call: `inputs` the addresses of token_ids, positions, sample_rows, the
+    slot blocks and offsets, the block tables [rows, width] and the contexts, all int64; False
+    (nothing touched) where a matmul would run in torch."""
     layers, ends = _descriptors(model, num_rows), _ends(model, num_samples)
     if layers is None or ends is None:
-        return None
-    plan.dims[0], plan.dims[10] = num_rows, batch.block_ids.shape[1]
-    logits = torch.empty(num_samples, model.lm_head.out_features)
+        return False
+    plan.dims[0], plan.dims[10] = num_rows, width
     torch_threads = torch.get_num_threads()
     span_threads = 0 if plan.batch_invariant else torch_threads  # as the forward's (0: fixed spans)
     chooser = model.__dict__.setdefault("_decode_threads", ThreadChoice())
     threads = chooser.pick(num_rows, torch_threads)
+    token_ids, positions, sample_rows, slot_blocks, slot_offsets, tables, contexts = inputs
     start = time.perf_counter()
     status = plan.entry(
-        layers, plan.num_layers, plan.dims, ends, token_ids.data_ptr(), positions.data_ptr(), sample_rows.data_ptr(),
-        num_samples, logits.data_ptr(), kv_pool.data_ptr(), meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
-        batch.block_ids.data_ptr(), batch.context_lens.data_ptr(), plan.eps, plan.scale, span_threads, threads,
+        layers, plan.num_layers, plan.dims, ends, token_ids, positions, sample_rows, num_samples, logits, picked,
+        kv_pool.data_ptr(), slot_blocks, slot_offsets, tables, contexts, plan.eps, plan.scale, span_threads, threads,
     )  # fmt: skip
     chooser.record(num_rows, threads, time.perf_counter() - start)
     if status == -2:
         raise IndexError(f"a token id or sample row out of range in a {num_rows}-row decode step")
     if status:
         raise MemoryError(f"no memory for the scratch of a {num_rows}-row decode step")
-    return logits
+    return True
 
 
 class _Plan:
@@ -189,6 +259,6 @@ def _entry(native):
     fn = native.lib.decode_step_f32
     if fn.argtypes is None:
         fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64] + [_ptr] * 6
+        fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64] + [_ptr] * 7
         fn.argtypes += [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return fn

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
+from services.worker import fused_decode
 from services.worker.attention import build_metadata
 from services.worker.grammar import Constraint, GrammarCompiler, mask_rows
 from services.worker.host_memory import huge_page_host_tensor
 from services.worker.logits import process_row, raw_logprobs, token_logprobs, wants_processing
 from services.worker.model import LlamaModel
-from services.worker.sampler import draw_seed, make_generator, request_seed, sample
+from services.worker.sampler import draw_seed, is_greedy, make_generator, request_seed, sample
 from services.worker.tp import TPGroup, shard_config, shard_weights
 from services.worker.weights import load_weights
 from shared.modelfile import ModelConfig, read_model_config
@@ -126,6 +127,7 @@ class ModelRunner:
         self.grammars = grammars  # needed for requests with a grammar
         self._requests: dict[str, _Request] = {}
         self._num_asking = 0  # requests whose `asks`: while 0, a step is plain sampling
+        self._fused: fused_decode.Decodes | None = None  # made at the first step of decodes
 
     # ------------------------------------------------------------ request state
 
@@ -233,12 +235,18 @@ class ModelRunner:
         scored = self._prompt_rows(step, reqs) if self._num_asking and samples_here else []
         logit_rows = sample_rows + [row for _, row, _ in scored] if samples_here else []
         out = StepTokens([], [])
-        with torch.inference_mode():
-            logits = self._forward(step, reqs, token_ids, positions, logit_rows)  # [S + P, V]
-            if scored:
-                self._score_prompts(logits[len(sample_rows) :], scored)
-            chosen_ids = [step[i].request_id for i in sampled]
-            new_tokens = self._sample(logits[: len(sample_rows)], chosen, chosen_ids, out) if samples_here else None
+        chosen_ids = [step[i].request_id for i in sampled]
+        decoded = self._decodes(step, reqs, token_ids, positions, sample_rows) if samples_here and not scored else None
+        if decoded is not None:  # a step of decodes in one native call (fused_decode.Decodes)
+            logits, new_tokens = decoded
+            if new_tokens is None:
+                new_tokens = self._sample(logits, chosen, chosen_ids, out)
+        else:
+            with torch.inference_mode():
+                logits = self._forward(step, reqs, token_ids, positions, logit_rows)  # [S + P, V]
+                if scored:
+                    self._score_prompts(logits[len(sample_rows) :], scored)
+                new_tokens = self._sample(logits[: len(sample_rows)], chosen, chosen_ids, out) if samples_here else None
         if self.group is not None:
             new_tokens = self.group.broadcast_tokens(new_tokens, len(chosen))
         for r, t in zip(chosen, new_tokens):
@@ -301,6 +309,17 @@ class ModelRunner:
         lps = token_logprobs(raw_logprobs(logits), [t for _, _, t in scored], ks)
         for (r, _, _), lp in zip(scored, lps):
             r.prompt_logprobs.append(lp)
+
+    def _decodes(self, step, reqs, token_ids, positions, sample_rows) -> tuple[torch.Tensor, list[int] | None] | None:
+        """A step of single-token rows through fused_decode.Decodes, without the metadata and
+        tensors `_forward` builds: (logits [S, V], the tokens where every row that samples is
+        greedy and asks for nothing more, else None), or None where it does not apply."""
+        if len(token_ids) != len(step) or not self.model.fused_decode or self.device.type != "cpu":
+            return None
+        if self._fused is None:
+            self._fused = fused_decode.Decodes(self.model, self.kv_pool, self.block_size)
+        pick = not self._num_asking and all(is_greedy(reqs[i].params) for i in sample_rows)
+        return self._fused.run(token_ids, positions, [r.block_table for r in reqs], sample_rows, pick)
 
     def _forward(self, step, reqs, token_ids, positions, sample_rows) -> torch.Tensor:
         meta = build_metadata(

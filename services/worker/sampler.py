@@ -60,10 +60,10 @@ def sample(
         for i, t in zip(greedy, picked):
             tokens[i] = t
     if random:
-        rows = [params[i] for i in random]
         for i in random:
             generators[i].manual_seed(seeds[i])
-        drawn = _sample_random(logits[random], rows, [generators[i] for i in random])
+        rows = logits if len(random) == num_rows else logits[random]  # as for the greedy rows
+        drawn = _sample_random(rows, [params[i] for i in random], [generators[i] for i in random])
         for i, t in zip(random, drawn):
             tokens[i] = t
     return tokens
@@ -73,12 +73,13 @@ def _sample_random(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
     """logits: [R, V] -> one drawn id per row."""
+    native = cpu_kernels.for_tensor(logits) if logits.is_contiguous() else None
+    if native is not None:  # the same temperature, filters and draw, every row in one call (csrc/sampling.c)
+        u = [float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators]
+        knobs = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
+        return native.sample(logits, *knobs, [p.min_p for p in params], u)
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     scaled = logits / temps[:, None]  # [R, V]
-    native = cpu_kernels.for_tensor(scaled)
-    if native is not None:  # the same filters and draw, every row in one call (csrc/sampling.c)
-        u = [float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators]
-        return native.sample(scaled, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params], u)
     return [_sample_row(scaled[i], params[i], generators[i]) for i in range(len(params))]
 
 

@@ -11,8 +11,9 @@ import torch
 from services.worker import cpu_kernels, cpu_quant, fused_decode
 from services.worker.attention import build_metadata
 from services.worker.model import LlamaModel
-from services.worker.runner import allocate_kv_pool
+from services.worker.runner import ModelRunner, allocate_kv_pool
 from services.worker.weights import load_weights
+from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
 
 from .conftest import BLOCK_SIZE, blocks_for
 
@@ -139,3 +140,68 @@ def test_fused_decode_refuses_a_token_id_past_the_vocabulary(gguf_model, cfg):
         assert not pool.any()
     logits = fused_decode.run(gguf_model, torch.tensor([7, 8]), torch.tensor([3, 3]), meta, pool, torch.arange(2))
     assert logits.shape == (2, cfg.vocab_size) and pool.any()
+
+
+def _served(model, cfg, prompts: list[list[int]], params: list[SamplingParams], fused: bool):
+    """Each prompt prefilled alone, then decode steps of all together through ModelRunner, the
+    last prompt held back to join them a token at a time (its next-to-last token a single-token
+    row that does not sample). Returns (every step's StepTokens, whether fused_decode.Decodes ran)."""
+    per = [blocks_for(len(p) + 8) for p in prompts]
+    free = list(range(sum(per)))
+    random.Random(1).shuffle(free)
+    runner = ModelRunner(model, cfg, allocate_kv_pool(cfg, sum(per), BLOCK_SIZE, torch.float32, "cpu"), BLOCK_SIZE, "cpu")
+    ids = [str(i) for i in range(len(prompts))]
+    runner.add_requests([NewRequestData(r, p, s) for r, p, s in zip(ids, prompts, params)])
+    tables = {r: [free.pop() for _ in range(n)] for r, n in zip(ids, per)}
+    *early, late = ids
+    model.fused_decode = fused
+    try:
+        steps = [runner.execute_step([ScheduledRequest(r, 0, len(p), block_table=tables[r])]) for r, p in zip(early, prompts)]
+        last = len(prompts[-1])
+        steps.append(runner.execute_step([ScheduledRequest(late, 0, last - 2, block_table=tables[late])]))
+        for step in range(4):
+            decodes = [ScheduledRequest(r, len(runner.token_ids(r)) - 1, 1) for r in early]
+            if step < 2:  # the held-back prompt's last two tokens, one a step
+                decodes.append(ScheduledRequest(late, last - 2 + step, 1))
+            else:
+                decodes.append(ScheduledRequest(late, len(runner.token_ids(late)) - 1, 1))
+            steps.append(runner.execute_step(decodes))
+    finally:
+        model.fused_decode = True
+    return steps, runner._fused is not None
+
+
+def test_runner_decode_steps_from_lists_match_the_layers(gguf_model, cfg, chat_prompts):
+    """The runner's steps of decodes through fused_decode.Decodes (its lists packed into one array,
+    the logits in a buffer kept across steps, greedy tokens picked in the native call) give the
+    tokens and logprobs the model gives layer by layer: greedy rows, a seeded sampled row, a greedy
+    row asking for logprobs (its tokens then come from the sampler), and a single-token prompt row
+    that does not sample beside them."""
+    params = [
+        SamplingParams(max_tokens=64, temperature=0.0),
+        SamplingParams(max_tokens=64, temperature=0.8, top_p=0.9, seed=7),
+        SamplingParams(max_tokens=64, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=64, temperature=0.0),
+    ]
+    fused, used = _served(gguf_model, cfg, chat_prompts, params, fused=True)
+    layers, _ = _served(gguf_model, cfg, chat_prompts, params, fused=False)
+    assert used
+    assert [(s.request_ids, s.token_ids) for s in fused] == [(s.request_ids, s.token_ids) for s in layers]
+    assert [s.logprobs for s in fused] == [s.logprobs for s in layers]
+    assert fused[-4].request_ids == ["0", "1", "2"]  # the prompt's next-to-last token sampled nothing
+    greedy_only = [SamplingParams(max_tokens=64, temperature=0.0)] * 4
+    fused, _ = _served(gguf_model, cfg, chat_prompts, greedy_only, fused=True)
+    layers, _ = _served(gguf_model, cfg, chat_prompts, greedy_only, fused=False)
+    assert [s.token_ids for s in fused] == [s.token_ids for s in layers]
+
+
+def test_runner_decode_step_refuses_a_block_table_too_short(gguf_model, cfg):
+    """A decode whose block table cannot hold its position fails as the metadata path does
+    (ValueError), with nothing written."""
+    pool = allocate_kv_pool(cfg, 4, BLOCK_SIZE, torch.float32, "cpu")
+    decodes = fused_decode.Decodes(gguf_model, pool, BLOCK_SIZE)
+    with pytest.raises(ValueError, match="cannot hold"):
+        decodes.run([7, 8], [3, BLOCK_SIZE], [[0], [1]], [0, 1], pick=True)
+    assert not pool.any()
+    logits, picked = decodes.run([7, 8], [3, BLOCK_SIZE], [[0], [1, 2]], [0, 1], pick=True)
+    assert logits.shape == (2, cfg.vocab_size) and picked == logits.argmax(dim=1).tolist()

@@ -144,7 +144,8 @@ def test_native_draws_follow_the_whole_row_distribution(top_k, top_p, min_p, spr
     row[[7, 8, 9]] = row.max()
     p = params(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
     want, num = reference_distribution(row, p), 1000
-    drawn = native.sample(row.repeat(num, 1), [top_k] * num, [top_p] * num, [min_p] * num,
+    # the logits at half the scale, drawn at temperature 0.5: the kernel divides them back
+    drawn = native.sample((row * 0.5).repeat(num, 1), [0.5] * num, [top_k] * num, [top_p] * num, [min_p] * num,
                           [(j + 0.5) / num for j in range(num)])  # fmt: skip
     counts = collections.Counter(drawn)
     assert counts.keys() <= want.keys()
@@ -157,7 +158,7 @@ def test_native_draws_stay_in_range_on_rows_without_weight():
         pytest.skip("no native kernels here")
     rows = torch.stack([torch.full((300,), float("-inf")), torch.full((300,), float("nan"))])
     for top_k, top_p in ((0, 1.0), (5, 1.0), (0, 0.9)):
-        assert all(0 <= t < 300 for t in native.sample(rows, [top_k] * 2, [top_p] * 2, [0.0] * 2, [0.3] * 2))
+        assert all(0 <= t < 300 for t in native.sample(rows, [1.0] * 2, [top_k] * 2, [top_p] * 2, [0.0] * 2, [0.3] * 2))
 
 
 def test_distribution_of_a_constrained_row_keeps_to_the_allowed_tokens():

@@ -32,6 +32,7 @@ void rope_angles_f32(const int64_t *positions, int64_t num_rows, const float *in
 void rope_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t num_rows, int64_t num_heads,
               int64_t head_dim, int num_threads);
 void silu_and_mul_f32(const float *gate_up, float *out, int64_t num_rows, int64_t n, int num_threads);
+void argmax_rows_f32(const float *x, int64_t num_rows, int64_t n, int64_t *out);
 void write_kv_f32(const float *k, const float *v, int64_t row_stride, void *kv, int bf, int64_t block_stride,
                   int64_t side_stride, const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t num_rows,
                   int64_t width);
@@ -149,7 +150,8 @@ static int decode_layers(const int64_t *layers, int64_t num_layers, const int64_
 /* ends: the words around the layers, END_WORDS of them: the embedding [E, n] float32, E, the rotary
  * frequencies [D / 2] float32, the final norm's weight, the head's output width V, its matmul (4
  * words as a layer's).
- * token_ids, positions: [T]; sample_rows: [S] rows of T; logits: [S, V]. kv: the pool,
+ * token_ids, positions: [T]; sample_rows: [S] rows of T; logits: [S, V]; picked: [S], each logits row's
+ * argmax (argmax_rows_f32), or NULL. kv: the pool,
  * [blocks, layers, 2, block_size, KV, D] with the strides and element type in dims; slot_blocks,
  * slot_offsets: [T]; block_ids: [T, max_blocks]; ctx_lens: [T]. Runs on `threads` threads; the
  * attention's spans are cut for `span_threads` (the model's forward's count; 0: batch-invariant
@@ -159,7 +161,7 @@ static int decode_layers(const int64_t *layers, int64_t num_layers, const int64_
  * K/V: a re-run writes them again). */
 int decode_step_f32(const int64_t *layers, int64_t num_layers, const int64_t *dims, const int64_t *ends,
                     const int64_t *token_ids, const int64_t *positions, const int64_t *sample_rows,
-                    int64_t num_samples, float *logits, void *kv, const int64_t *slot_blocks,
+                    int64_t num_samples, float *logits, int64_t *picked, void *kv, const int64_t *slot_blocks,
                     const int64_t *slot_offsets, const int64_t *block_ids, const int64_t *ctx_lens, float eps,
                     float scale, int span_threads, int threads) {
     const int64_t T = dims[0], n = dims[1], H = dims[2], KV = dims[3], D = dims[4], I = dims[5], half = D / 2;
@@ -182,6 +184,7 @@ int decode_step_f32(const int64_t *layers, int64_t num_layers, const int64_t *di
         for (int64_t s = 0; s < S; s++) memcpy(rows + s * n, x + sample_rows[s] * n, sizeof(float) * n);
         add_rms_norm_f32(rows, 0, (const float *)ends[3], eps, normed, S, n, threads);
         failed |= matmul(ends + 5, normed, logits, S, vocab, n, threads);
+        if (picked && !failed) argmax_rows_f32(logits, S, vocab, picked);
     }
     free(x);
     return failed ? -1 : 0;

@@ -5,7 +5,7 @@
  * decode step has streamed the weights through the caches, each of the torch path's dozen small
  * ops per row costs ~25 us, ~0.2 ms a row for temperature alone and ~0.5 ms with top-p.
  *
- * Per row (logits already divided by the temperature):
+ * Per row, its logits x divided by its temperature:
  *   w_i = exp(x_i - max x), the best token's 1; 0 below min_p, and 87 nats below the best
  *        (-inf, a token a constraint forbids, is exactly 0);
  *   without top-k and top-p: token i drawn in proportion to w_i, in id order;
@@ -215,12 +215,12 @@ static int64_t draw_ranked(const float *x, const float *w, int64_t n, double tot
     return c[pick].id;
 }
 
-/* x: [R, n] contiguous, each row divided by its temperature; per row top_k (0: none), top_p
- * (>= 1: none), min_p (0: none) and u, a uniform in [0, 1). out[r]: the drawn id. Returns 0,
- * or -1 without memory for the scratch. */
-int sample_rows_f32(const float *x, int64_t num_rows, int64_t n, const int64_t *top_k, const double *top_p,
-                    const double *min_p, const double *u, int64_t *out) {
-    float *w = malloc(sizeof(float) * n);
+/* x: [R, n] contiguous, the logits; per row its temperature (the row is divided by it first, in
+ * float32 as torch's division rounds), top_k (0: none), top_p (>= 1: none), min_p (0: none) and u,
+ * a uniform in [0, 1). out[r]: the drawn id. Returns 0, or -1 without memory for the scratch. */
+int sample_rows_f32(const float *x, int64_t num_rows, int64_t n, const float *temperature, const int64_t *top_k,
+                    const double *top_p, const double *min_p, const double *u, int64_t *out) {
+    float *w = malloc(sizeof(float) * 2 * n), *scaled = w + n;
     candidate_t *c = malloc(sizeof(candidate_t) * n);
     if (!w || !c) {
         free(w);
@@ -228,13 +228,15 @@ int sample_rows_f32(const float *x, int64_t num_rows, int64_t n, const int64_t *
         return -1;
     }
     for (int64_t r = 0; r < num_rows; r++) {
-        const float *xr = x + r * n;
-        const double total = row_weights(xr, n, (float)min_p[r], w);
+        const float *xr = x + r * n, t = temperature[r];
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) scaled[i] = xr[i] / t;
+        const double total = row_weights(scaled, n, (float)min_p[r], w);
         const int64_t k = top_k[r] > 0 && top_k[r] < n ? top_k[r] : 0;
         if (!k && top_p[r] >= 1.0)
             out[r] = inverse_cdf(w, n, u[r] * total);
         else
-            out[r] = draw_ranked(xr, w, n, total, k, top_p[r], u[r], c);
+            out[r] = draw_ranked(scaled, w, n, total, k, top_p[r], u[r], c);
     }
     free(w);
     free(c);
