@@ -164,14 +164,17 @@ def _plan(model, kv_pool: torch.Tensor) -> _Plan | None:
 class ThreadChoice:
     """How many threads run a decode step of a few rows: torch's count, or one.
 
-    A one-row step streams the weights once (memory-bound: one core reads nearly as fast as two
-    here) and meets six times a layer. Where the cores are shared (the gateway, the
+    A one-row step streams the weights once (memory-bound: with the two cores sharing a cache one
+    reads nearly as fast as two) and meets six times a layer. Where the cores are shared (the gateway, the
     scheduler and the client run beside the step; other work on the host), a barrier waits
     for a thread that lost its core, and two threads take longer than one. Which is faster
     depends on the moment, so both are timed: each step of up to `MAX_ROWS` rows runs on the
-    count with the lower median over its last `WINDOW` steps of that many rows, and every
-    `EXPLORE_EVERY`-th step on the other. The medians are taken at those steps only: after a step
-    has streamed the weights, taking them cost ~25 us of a 3.5 ms step. The result is the same on
+    count with the lower median over its last `WINDOW` steps of that many rows, and now and then
+    on the other: `EXPLORE_EVERY` steps after the choice, then twice as far apart after each try
+    that was slower than the chosen count's median, up to `EXPLORE_MAX`; a try that was faster
+    brings them back to every `EXPLORE_EVERY`-th. With the cores apart a one-row gguf step takes
+    ~4.4 ms on one thread against ~2.9 on two: a try every 10th step cost 5% of the mean. The medians are taken at the tries only: after a step has
+    streamed the weights, taking them cost ~25 us of a 3.5 ms step. The result is the same on
     either count (the attention's spans are cut for torch's count), so the choice changes only the
     time. `fixed` pins a count instead.
     """
@@ -179,11 +182,17 @@ class ThreadChoice:
     MAX_ROWS = 4
     WINDOW = 15
     EXPLORE_EVERY = 10
+    EXPLORE_MAX = 160
 
     def __init__(self, fixed: int | None = None):
         self.fixed = fixed
         self._times: dict[tuple[int, int], collections.deque] = {}
-        self._best: dict[tuple[int, int], int] = {}  # (rows, torch's count) -> the count to run
+        # per (rows, torch's count): the count to run, the steps from one try of the other to the
+        # next, and the step of the next try
+        self._best: dict[tuple[int, int], int] = {}
+        self._gap: dict[tuple[int, int], int] = {}
+        self._next: dict[tuple[int, int], int] = {}
+        self._trying: tuple[tuple[int, int], float] | None = None  # a try's key and the chosen count's median
         self._steps = 0
 
     def pick(self, num_rows: int, threads: int) -> int:
@@ -192,19 +201,32 @@ class ThreadChoice:
         if threads == 1 or num_rows > self.MAX_ROWS:
             return threads
         self._steps += 1
-        explore = self._steps % self.EXPLORE_EVERY == 0
-        best = self._best.get((num_rows, threads))
-        if best is None or explore:
-            times = {n: self._times.get((num_rows, n), ()) for n in (1, threads)}
-            unmeasured = [n for n, t in times.items() if len(t) < 3]
-            if unmeasured:
-                return unmeasured[0]
-            best = self._best[num_rows, threads] = min(times, key=lambda n: statistics.median(times[n]))
-        return (threads if best == 1 else 1) if explore else best
+        key = (num_rows, threads)
+        best = self._best.get(key)
+        if best is not None and self._steps < self._next[key]:
+            return best
+        times = {n: self._times.get((num_rows, n), ()) for n in (1, threads)}
+        unmeasured = [n for n, t in times.items() if len(t) < 3]
+        if unmeasured:
+            return unmeasured[0]
+        medians = {n: statistics.median(t) for n, t in times.items()}
+        self._best[key] = min(medians, key=medians.__getitem__)
+        if best is None:  # the first choice: the first try EXPLORE_EVERY steps on
+            self._gap[key] = self.EXPLORE_EVERY
+            self._next[key] = self._steps + self.EXPLORE_EVERY
+            return self._best[key]
+        self._trying = (key, medians[self._best[key]])
+        return threads if self._best[key] == 1 else 1
 
     def record(self, num_rows: int, threads: int, seconds: float) -> None:
-        if num_rows <= self.MAX_ROWS:
-            self._times.setdefault((num_rows, threads), collections.deque(maxlen=self.WINDOW)).append(seconds)
+        if num_rows > self.MAX_ROWS:
+            return
+        self._times.setdefault((num_rows, threads), collections.deque(maxlen=self.WINDOW)).append(seconds)
+        if self._trying is not None:
+            key, chosen = self._trying
+            self._trying = None
+            self._gap[key] = self.EXPLORE_EVERY if seconds < chosen else min(2 * self._gap[key], self.EXPLORE_MAX)
+            self._next[key] = self._steps + self._gap[key]
 
 
 def _qualifies(model, native, kv_pool: torch.Tensor) -> bool:
