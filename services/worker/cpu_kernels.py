@@ -216,7 +216,8 @@ class CpuKernels:
         # each torch op costs ~25 us, more than the kernel's work on a row.
         longs, doubles = ctypes.c_int64 * num_rows, ctypes.c_double * num_rows
         out = longs()
-        args = ((ctypes.c_float * num_rows)(*temperature), longs(*top_k), doubles(*top_p), doubles(*min_p), doubles(*u), out)
+        temperature = (ctypes.c_float * num_rows)(*temperature)
+        args = (temperature, longs(*top_k), doubles(*top_p), doubles(*min_p), doubles(*u), out)
         if self._sample(logits.data_ptr(), num_rows, vocab, *map(ctypes.addressof, args)):
             raise MemoryError("no memory for the sampler's scratch")
         return list(out)

@@ -82,8 +82,10 @@ class Decodes:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {c} tokens")
         width = max(used)
         words = array.array("q", token_ids)
-        for part in (positions, sample_rows, [t[p // size] for t, p in zip(tables, positions)], [p % size for p in positions]):
-            words.extend(part)
+        words.extend(positions)
+        words.extend(sample_rows)
+        words.extend([t[p // size] for t, p in zip(tables, positions)])  # the slots' blocks and offsets
+        words.extend([p % size for p in positions])
         for table, u in zip(tables, used):  # the tables, each padded to the widest with its first block
             words.extend(table[:u])
             words.extend(table[:1] * (width - u))
@@ -165,18 +167,18 @@ class ThreadChoice:
     """How many threads run a decode step of a few rows: torch's count, or one.
 
     A one-row step streams the weights once (memory-bound: with the two cores sharing a cache one
-    reads nearly as fast as two) and meets six times a layer. Where the cores are shared (the gateway, the
-    scheduler and the client run beside the step; other work on the host), a barrier waits
-    for a thread that lost its core, and two threads take longer than one. Which is faster
-    depends on the moment, so both are timed: each step of up to `MAX_ROWS` rows runs on the
-    count with the lower median over its last `WINDOW` steps of that many rows, and now and then
-    on the other: `EXPLORE_EVERY` steps after the choice, then twice as far apart after each try
-    that was slower than the chosen count's median, up to `EXPLORE_MAX`; a try that was faster
-    brings them back to every `EXPLORE_EVERY`-th. With the cores apart a one-row gguf step takes
-    ~4.4 ms on one thread against ~2.9 on two: a try every 10th step cost 5% of the mean. The medians are taken at the tries only: after a step has
-    streamed the weights, taking them cost ~25 us of a 3.5 ms step. The result is the same on
-    either count (the attention's spans are cut for torch's count), so the choice changes only the
-    time. `fixed` pins a count instead.
+    reads nearly as fast as two) and meets six times a layer. Where the cores are shared (the
+    gateway, the scheduler and the client run beside the step; other work on the host), a barrier
+    waits for a thread that lost its core, and two threads take longer than one. Which is faster
+    depends on the moment, so both are timed: each step of up to `MAX_ROWS` rows runs on the count
+    with the lower median over its last `WINDOW` steps of that many rows, and now and then on the
+    other: `EXPLORE_EVERY` steps after the choice, then twice as far apart after each try that was
+    slower than the chosen count's median, up to `EXPLORE_MAX`; a try that was faster brings them
+    back to every `EXPLORE_EVERY`-th. With the cores apart a one-row gguf step takes ~4.4 ms on one
+    thread against ~2.9 on two: a try every 10th step cost 5% of the mean. The medians are taken
+    at the tries only: after a step has streamed the weights, taking them cost ~25 us of a 3.5 ms
+    step. The result is the same on either count (the attention's spans are cut for torch's
+    count), so the choice changes only the time. `fixed` pins a count instead.
     """
 
     MAX_ROWS = 4

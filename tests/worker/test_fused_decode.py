@@ -172,14 +172,17 @@ def _served(model, cfg, prompts: list[list[int]], params: list[SamplingParams], 
     per = [blocks_for(len(p) + 8) for p in prompts]
     free = list(range(sum(per)))
     random.Random(1).shuffle(free)
-    runner = ModelRunner(model, cfg, allocate_kv_pool(cfg, sum(per), BLOCK_SIZE, torch.float32, "cpu"), BLOCK_SIZE, "cpu")
+    pool = allocate_kv_pool(cfg, sum(per), BLOCK_SIZE, torch.float32, "cpu")
+    runner = ModelRunner(model, cfg, pool, BLOCK_SIZE, "cpu")
     ids = [str(i) for i in range(len(prompts))]
     runner.add_requests([NewRequestData(r, p, s) for r, p, s in zip(ids, prompts, params)])
     tables = {r: [free.pop() for _ in range(n)] for r, n in zip(ids, per)}
     *early, late = ids
     model.fused_decode = fused
     try:
-        steps = [runner.execute_step([ScheduledRequest(r, 0, len(p), block_table=tables[r])]) for r, p in zip(early, prompts)]
+        steps = [
+            runner.execute_step([ScheduledRequest(r, 0, len(p), block_table=tables[r])]) for r, p in zip(early, prompts)
+        ]
         last = len(prompts[-1])
         steps.append(runner.execute_step([ScheduledRequest(late, 0, last - 2, block_table=tables[late])]))
         for step in range(4):
