@@ -276,9 +276,9 @@ static inline __attribute__((always_inline)) void value_tile(const float *p, int
  * VALUE_HEADS query heads of whichever KV heads (value_tile: with SmolLM2's 9 heads two passes
  * over a tile's values, each in address order, where a pass per KV head made three, each 2 lines
  * of every 6: one request, gguf, 1 GB read before each step, 3-4% faster with the two cores apart,
- * 1-2% with them sharing a cache). One softmax step a run, not a block: its max, exp and
- * rescale are a chain of dependent steps per head, which once
- * per 16 keys took most of the time (512 keys, one thread: ~27 of 30 us a layer). Tile by tile,
+ * 1-2% with them sharing a cache). One softmax step a run, not a block: its max, exp and rescale
+ * are a chain of dependent steps per head, which once per 16 keys took most of the time (512
+ * keys, one thread: ~27 of 30 us a layer). Tile by tile,
  * every head, reads each tile's keys (then values) in address order. The prefetches run PF_AHEAD
  * lines ahead of those reads (lines_t), a tile's worth a few per word or key while it computes, so
  * the memory streams during the compute: issued all at once they would queue behind the core's few
