@@ -345,16 +345,35 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+_unavailable: list[str] = []  # why `kernels()` returned None, once it has
+
+
 @functools.cache
 def kernels() -> CpuKernels | None:
     """The kernels, built or loaded once per process; None where they cannot be had."""
     if os.environ.get(ENV_SWITCH, "on").lower() in ("0", "off", "false", "no"):
+        _unavailable.append(f"turned off by {ENV_SWITCH}")
         return None
     try:
         return CpuKernels(ctypes.CDLL(str(build())))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        _unavailable.append(f"build failed: {str(e)[-500:]}")
         log.warning("native cpu kernels unavailable; using the torch path", error=str(e)[-500:])
         return None
+
+
+def native_status() -> tuple[bool, str]:
+    """Whether the native CPU kernels are available here, and why not: (True, "") where they are
+    built with every kernel; (True, a note) where built without some (no AVX-512: float32 matmuls
+    and prefill attention run in torch, the quantized ones natively); (False, the reason: turned
+    off, no compiler, a failed build) where not at all, every step then in torch (5-10x slower).
+    Builds or loads the kernels on its first call."""
+    native = kernels()
+    if native is None:
+        return False, _unavailable[-1] if _unavailable else "unavailable"
+    if native._linear is None:
+        return True, "built without AVX-512 (this CPU or compiler lacks it): float32 matmuls run in torch"
+    return True, ""
 
 
 def for_tensor(t: torch.Tensor) -> CpuKernels | None:
