@@ -50,6 +50,10 @@ MIN_TOKENS = 4
 MAX_PROMPT_TOKENS = 1024
 MAX_TOTAL_TOKENS = 2048
 LONG_CONTEXT = 32768  # sharegpt-long: prompt + answer within a 32k context (Qwen2.5's, Mixtral's)
+# sharegpt-artifact: as the paper's harness samples (AE_AIO_0309_v1.py, benchmarks/superinfer/sampler.py):
+# no prompt or total cap, each output at its own length up to the 8,192 tokens the authors generated
+# with, sent with ignore_eos. Their outputs are a model's own generations; ours are ShareGPT's answers.
+ARTIFACT_MAX_OUTPUT = 8192
 _CHUNK_CHARS = 1 << 22
 _WORD = re.compile(r"^ [a-z]{2,12}$")
 
@@ -216,11 +220,14 @@ def keep_pair(
     return prompt_tokens <= max_prompt and prompt_tokens + output_tokens <= max_total
 
 
-def sample_sharegpt(pairs, num_requests: int, tokenizer, seed: int = 0, long: bool = False) -> list[WorkItem]:
+def sample_sharegpt(
+    pairs, num_requests: int, tokenizer, seed: int = 0, long: bool = False, artifact: bool = False
+) -> list[WorkItem]:
     """Shuffle with `seed`, then take pairs in order, tokenizing each, until `num_requests`
     pass the filter (as vLLM does: only what is needed is tokenized); `long`: only the pairs
-    that do not fit a 32k context are dropped. Arrivals are 0."""
-    limits = (LONG_CONTEXT, LONG_CONTEXT) if long else (MAX_PROMPT_TOKENS, MAX_TOTAL_TOKENS)
+    that do not fit a 32k context are dropped; `artifact`: as `long`, each output cut at
+    ARTIFACT_MAX_OUTPUT tokens first (the paper's harness). Arrivals are 0."""
+    limits = (LONG_CONTEXT, LONG_CONTEXT) if long or artifact else (MAX_PROMPT_TOKENS, MAX_TOTAL_TOKENS)
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
     items = []
@@ -230,6 +237,8 @@ def sample_sharegpt(pairs, num_requests: int, tokenizer, seed: int = 0, long: bo
         prompt, answer = pairs[i]
         num_prompt = len(tokenizer.encode(prompt))
         num_output = len(tokenizer.encode(answer, add_special_tokens=False))
+        if artifact:
+            num_output = min(num_output, ARTIFACT_MAX_OUTPUT)
         if keep_pair(num_prompt, num_output, *limits):
             items.append(WorkItem(prompt, num_prompt, num_output, 0.0))
     if len(items) < num_requests:
@@ -383,7 +392,8 @@ def load_workload(
     synthetic: SyntheticSpec | None = None,
     chat: ChatSpec | None = None,
 ) -> list[WorkItem]:
-    """`dataset` is "sharegpt", "sharegpt-long", "synthetic", or a JSONL trace path. A trace with its own
+    """`dataset` is "sharegpt" (vLLM's filter), "sharegpt-long", "sharegpt-artifact" (the paper's harness:
+    sample_sharegpt), "synthetic", or a JSONL trace path. A trace with its own
     arrivals keeps them (its first `num_requests` lines); otherwise arrivals are drawn.
     `chat`: system prompts, and (ShareGPT) `num_requests` conversations instead."""
     chat = chat or ChatSpec()
@@ -397,8 +407,9 @@ def load_workload(
             sharegpt_dialogues(), num_requests, tokenizer, seed, chat.max_turns, chat.think_s, systems, limit
         )
         return draw_arrivals(items, rate, burstiness, seed)
-    if dataset in ("sharegpt", "sharegpt-long"):
-        items = sample_sharegpt(sharegpt_conversations(), num_requests, tokenizer, seed, long=long)
+    if dataset in ("sharegpt", "sharegpt-long", "sharegpt-artifact"):
+        artifact = dataset == "sharegpt-artifact"
+        items = sample_sharegpt(sharegpt_conversations(), num_requests, tokenizer, seed, long=long, artifact=artifact)
     elif dataset == "synthetic":
         items = synthetic_items(synthetic or SyntheticSpec(), num_requests, tokenizer, seed)
     else:

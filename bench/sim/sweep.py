@@ -161,8 +161,13 @@ def load_items(
     tokenizer_path: str | None = None,
     synthetic: SyntheticSpec | None = None,
     chat: ChatSpec | None = None,
+    vllm_filter: bool = False,
 ) -> list[WorkItem]:
-    """Requests with token counts from our tokenizer; arrivals are drawn per rate later."""
+    """Requests with token counts from our tokenizer; arrivals are drawn per rate later.
+    Single-turn `sharegpt` is sampled as the paper's harness samples it (no 2,048 cap, outputs
+    up to 8,192 tokens, ignore_eos) unless `vllm_filter` keeps vLLM's `bench serve` filter."""
+    if dataset == "sharegpt" and not vllm_filter and not (chat and chat.multi_turn):
+        dataset = "sharegpt-artifact"
     return load_workload(
         dataset, num_requests, 1.0, _tokenizer(tokenizer_path), seed=seed, synthetic=synthetic, chat=chat
     )
@@ -199,7 +204,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hardware", default="gh200", help="profile name in bench/profiles (gh200, h200-pcie, cpu) or a JSON path"
     )
-    p.add_argument("--dataset", default="sharegpt", help="sharegpt, sharegpt-long, synthetic, or a JSONL trace path")
+    p.add_argument(
+        "--dataset",
+        default="sharegpt",
+        help="sharegpt (as the paper's harness samples it), sharegpt-long, synthetic, or a JSONL trace path",
+    )
+    p.add_argument(
+        "--vllm-filter",
+        action="store_true",
+        help="sharegpt: vLLM's `bench serve` filter (prompt <= 1024, prompt + output <= 2048), for live comparisons",
+    )
     p.add_argument("--num-requests", type=int, default=1000, help="requests per run (default %(default)s)")
     p.add_argument("--duration-s", type=float, default=None, help="instead of --num-requests: rate × this many")
     p.add_argument("--rates", type=_floats, default=[4, 8, 12, 16, 20], help="requests/s, comma-separated")
@@ -334,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
     check_pair(hw, args.model)
     num = args.num_requests if args.duration_s is None else math.ceil(max(args.rates) * args.duration_s)
     spec = SyntheticSpec(args.input_len, args.output_len)
-    items = load_items(args.dataset, num, args.seed, args.tokenizer, spec, chat_spec(args))
+    items = load_items(args.dataset, num, args.seed, args.tokenizer, spec, chat_spec(args), args.vllm_filter)
     jobs = jobs_from_args(args, hw, model)
     timed = args.dataset not in ("sharegpt", "sharegpt-long", "synthetic") and trace_has_arrivals(Path(args.dataset))
     t0 = time.perf_counter()
