@@ -40,6 +40,7 @@ BENCHMARKS = {
     "simlive": ("bench.sim.simlive", "the simulator vs the live server on one ShareGPT trace, calibrated in the same run"),
     "reproduce": ("bench.sim.reproduce", "regenerate bench/REPRODUCTION.md from simulator runs"),
     "tier": ("bench.sim.tier", "the DRAM prefix-cache tier in the simulator: LVF + tier vs vLLM V1 + host tier"),
+    "synth-model": ("bench.models.synth", "a model of a real shape (Llama-3.2-1B/3B, Qwen2.5-1.5B), seeded random weights: GGUFs + HF folder"),
     "summary": ("bench.summary", "copy a run's figures into bench/summary.json and render docs/results.md"),
 }
 
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             flags.api_key(args),
             args.zmq_keys,
             args.failover_grace,
+            args.routing,
             served_model_names=args.served_model_name,
             seed=args.seed,
             tool_call_parser=args.tool_call_parser,

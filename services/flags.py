@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from services.gateway.routing import DEFAULT_ROUTING, ROUTINGS
 from services.scheduler.core import SchedulerConfig
 from shared import config
 
@@ -79,6 +80,15 @@ def gateway_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="how long a request whose scheduler was lost waits for another one before it fails "
         "(default %(default)s)",
+    )
+    g.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default=DEFAULT_ROUTING,
+        help="how a new request picks its scheduler: cache-aware (the lowest predicted TTFT, counting "
+        "the prompt prefix each one holds in HBM or DRAM, among those with SLO headroom; a session, the "
+        "`user` field or an x-session-id header, stays where it was while that one has headroom), "
+        "headroom (the most SLO headroom), or round-robin (default %(default)s)",
     )
 
 

@@ -83,9 +83,12 @@ class SLO(_Data):
 
 class GatewayHello(_Msg, tag="hello"):
     """First message of a gateway on connect (and its heartbeat): the scheduler learns the
-    gateway's identity and starts sending it `SchedulerStats`."""
+    gateway's identity and starts sending it `SchedulerStats`. `want_cache`: the gateway has no
+    (trusted) copy of this scheduler's cached blocks; the answer carries them all
+    (`CacheEvents.snapshot`)."""
 
     gateway_id: str
+    want_cache: bool = False
 
 
 class AddRequest(_Msg, tag="add"):
@@ -152,6 +155,29 @@ class RequestError(_Msg, tag="error"):
 GATEWAY_SILENT = "gateway_silent"
 
 
+def block_key(h: bytes) -> int:
+    """A prefix-cache block's name on the wire: the first 8 bytes of its chain hash
+    (services/scheduler/core/prefix.py) as a signed 64-bit int. Routing only (a collision
+    costs a misrouted request, never wrong KV): 9 bytes in msgpack instead of 18."""
+    return int.from_bytes(h[:8], "little", signed=True)
+
+
+class CacheEvents(_Data):
+    """Prefix-cache blocks (`block_key`s) a scheduler gained and dropped since its previous
+    report, in HBM and in DRAM (its host tier and rotated requests' copies), at most
+    `MAX_CACHE_EVENTS` in all per report (the rest follow in the next). `snapshot`: instead,
+    every block it holds (`*_added` only), the answer to `GatewayHello.want_cache`."""
+
+    hbm_added: list[int] = []
+    hbm_removed: list[int] = []
+    dram_added: list[int] = []
+    dram_removed: list[int] = []
+    snapshot: bool = False
+
+
+MAX_CACHE_EVENTS = 2048
+
+
 class SchedulerStats(_Msg, tag="stats"):
     """Load report, sent to every known gateway after each step and at least once a second
     when idle (it doubles as the scheduler's heartbeat)."""
@@ -189,6 +215,22 @@ class SchedulerStats(_Msg, tag="stats"):
     num_cached_dram_blocks: int = 0
     num_tier_queries: int = 0
     num_tier_hits: int = 0
+    # Prompt tokens looked up in the (HBM) prefix cache at admission, and found there.
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
+    # What the gateway's cache-aware routing predicts a TTFT from (services/gateway/routing.py):
+    # prompt tokens that waiting requests have yet to compute, the step-time model's fit
+    # (seconds per step, seconds per token; 0 until it has one), the step's token budget, and the
+    # seconds one block takes to copy from DRAM (0: unknown).
+    num_queued_tokens: int = 0
+    step_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    max_batched_tokens: int = 0
+    block_copy_s: float = 0.0
+    # Cached blocks: `cache_seq` numbers the reports that carried `cache` events (0: none yet);
+    # a gateway that sees a gap asks for a snapshot (`GatewayHello.want_cache`).
+    cache_seq: int = 0
+    cache: CacheEvents | None = None
 
 
 GatewayReply = StepOutputs | RequestError | SchedulerStats

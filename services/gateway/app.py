@@ -143,7 +143,10 @@ async def _generation(request: web.Request, state: GatewayState, ep: Endpoint, r
     prompts = await asyncio.to_thread(ep.prompts, req, state.tokenizer, tool_format)
     # Picked after that await, and nothing awaits from here to submit(): a scheduler lost
     # meanwhile is out of the choice, never handed a request it can no longer answer.
-    link = state.client.pick()
+    # Routed by its first prompt (a chat has one) and its session: the `user` field, or the
+    # x-session-id header.
+    session = request.headers.get("x-session-id") or req.user
+    link = state.client.pick(prompts[0] if prompts else None, session)
     max_len = state.max_model_len(link.stats.max_model_len)
     default_seed = state.default_seed() if req.seed is None else None
     preps = params.prepare_batch(req, prompts, max_len, stop_ids, default_seed, bias, grammar)

@@ -19,13 +19,14 @@ scheduler, if it ever answers again, is first told to abort what it still runs f
 that aborted our requests because it took this gateway for gone (`GATEWAY_SILENT`: we were
 frozen, or cut off) gets them back.
 
-Routing: `pick()` sends each new request to the live scheduler with the lowest
-`headroom_score` (headroom.py: the formula is documented there, once), ties taken round-robin. A
-scheduler leaves the rotation when it has not been heard from for `STALE_AFTER_S` (its load
+Routing: `pick()` sends each new request where `--routing` says (routing.py: the cache-aware
+score, documented there once, from each scheduler's load report and its prefix-cache events;
+or the lowest `headroom_score`, headroom.py; or round-robin), ties taken round-robin. Failover
+resubmissions go by headroom. A scheduler leaves the rotation when it has not been heard from for `STALE_AFTER_S` (its load
 reports double as heartbeats) or when a send to it fails (its connection is gone), and comes
 back with its next message.
 
-    pick() -> SchedulerLink                   submit(AddRequest, link) -> RequestHandle
+    pick(prompt_ids, session) -> SchedulerLink    submit(AddRequest, link) -> RequestHandle
     handle.get() -> TokenOutput | RequestError
     abort(request_id)                         live_stats() -> [SchedulerStats]
 """
@@ -46,6 +47,9 @@ from zmq.utils.monitor import parse_monitor_message
 from services.gateway.errors import unavailable
 from services.gateway.headroom import headroom_score, num_blocks
 from services.gateway.request_handle import RequestHandle
+from services.gateway.routing import (
+    DEFAULT_ROUTING, ROUTINGS, SHORT_OF_HEADROOM, TIE_S, LinkCache, Sessions, predicted_ttft, prompt_keys,
+)
 from shared import zmqsec
 from shared.config import DEFAULT_FAILOVER_GRACE_S, ZMQ_HWM, ZMQ_LINGER_MS
 from shared.protocol import (
@@ -88,6 +92,13 @@ class SchedulerLink:
         # Requests sent since the last load report, which does not count them yet.
         self.num_unreported = 0
         self.num_unreported_blocks = 0
+        self.num_unreported_tokens = 0  # of their prompts, not held there (as predicted at pick)
+        self.predicted_miss: int | None = None  # the last pick's, for the request sent next
+        self.cache = LinkCache()  # its prefix cache, as its reports told (routing.py)
+        # Routed here: requests, their prompt tokens, and those served from its prefix cache.
+        self.num_routed = 0
+        self.num_routed_prompt_tokens = 0
+        self.num_routed_cached_tokens = 0
 
     def is_live(self, now: float) -> bool:
         return self.stats is not None and not self.unreachable and now - self.last_seen < STALE_AFTER_S
@@ -105,14 +116,30 @@ class SchedulerLink:
     def is_new_instance(self, stats: SchedulerStats) -> bool:
         return self.stats is not None and stats.scheduler_id != self.stats.scheduler_id
 
+    def short_of_headroom(self) -> bool:
+        return self.score() >= SHORT_OF_HEADROOM
+
+    def predict(self, num_prompt: int, keys: list[int]) -> float:
+        """Its predicted TTFT for a prompt of `num_prompt` tokens whose block keys are `keys`."""
+        num_hit, num_dram = self.cache.match(keys)
+        self.predicted_miss = max(0, num_prompt - num_hit * self.stats.block_size)
+        return predicted_ttft(self.stats, num_prompt, num_hit, num_dram, self.num_unreported_tokens)
+
     def on_sent(self, req: AddRequest) -> None:
         self.request_ids.add(req.request_id)
         self.num_unreported += 1
         self.num_unreported_blocks += num_blocks(req, self.stats.block_size if self.stats else 0)
+        num_prompt = len(req.prompt_token_ids) + len(req.output_token_ids)
+        miss = self.predicted_miss
+        self.num_unreported_tokens += num_prompt if miss is None else min(miss, num_prompt)
+        self.predicted_miss = None
+        self.num_routed += 1
+        self.num_routed_prompt_tokens += num_prompt
 
     def on_report(self, stats: SchedulerStats, now: float) -> None:
         self.stats = stats
-        self.num_unreported = self.num_unreported_blocks = 0
+        self.num_unreported = self.num_unreported_blocks = self.num_unreported_tokens = 0
+        self.cache.on_report(stats.cache_seq, stats.cache)
         self.on_heard(now)
 
     def on_heard(self, now: float) -> None:
@@ -140,9 +167,14 @@ class SchedulerClient:
         gateway_id: str | None = None,
         failover_grace_s: float = DEFAULT_FAILOVER_GRACE_S,
         zmq_keys: str | None = None,
+        routing: str = DEFAULT_ROUTING,
     ) -> None:
         if not addrs:
             raise ValueError("at least one scheduler address is needed")
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {routing!r} (one of {', '.join(ROUTINGS)})")
+        self.routing = routing
+        self.sessions = Sessions()
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self.failover_grace_s = failover_grace_s
         self._ctx = zmq.asyncio.Context()
@@ -199,11 +231,15 @@ class SchedulerClient:
     def live_stats(self) -> list[SchedulerStats]:
         return [link.stats for link in self.live_links()]
 
-    def pick(self) -> SchedulerLink:
-        """The live scheduler with the most SLO headroom (lowest `headroom_score`); among
-        equal scores, the next in round-robin order. 503 when none is reachable, or none has
-        a ready worker."""
-        link = self._best()
+    def pick(self, prompt_ids: list[int] | None = None, session: str | None = None) -> SchedulerLink:
+        """Where a new request with this prompt (and session, if any) goes, by `self.routing`
+        (module doc). 503 when no scheduler is reachable, or none has a ready worker."""
+        if self.routing == "cache-aware":
+            link = self._soonest(prompt_ids or [], session)
+        elif self.routing == "round-robin":
+            link = self._next_routable()
+        else:
+            link = self._best()
         if link is None:
             now = time.monotonic()
             if any(link.is_live(now) for link in self.links):
@@ -224,6 +260,49 @@ class SchedulerClient:
         if best is not None:
             self._next = (best_index + 1) % num_links
         return best
+
+    def _soonest(self, prompt_ids: list[int], session: str | None) -> SchedulerLink | None:
+        """The lowest predicted TTFT among schedulers with SLO headroom (all, when none has
+        any); a session's own scheduler while it has headroom. Ties round-robin."""
+        now = time.monotonic()
+        live = [link for link in self.links if link.routable(now)]
+        roomy = [link for link in live if not link.short_of_headroom()]
+        pinned = self.sessions.get(session)
+        link = next((link for link in roomy if link.addr == pinned), None) if pinned else None
+        if link is None:
+            link = self._lowest(roomy or live, prompt_ids)
+        if link is not None:
+            self.sessions.pin(session, link.addr)
+        return link
+
+    def _lowest(self, candidates: list[SchedulerLink], prompt_ids: list[int]) -> SchedulerLink | None:
+        num_links = len(self.links)
+        order = sorted(candidates, key=lambda link: (self.links.index(link) - self._next) % num_links)
+        keys_by_layout: dict[tuple[int, str], list[int]] = {}
+        best, best_ttft = None, math.inf
+        for link in order:
+            layout = (link.stats.block_size, link.stats.model_name)
+            if layout not in keys_by_layout:
+                keys_by_layout[layout] = prompt_keys(prompt_ids, *layout)
+            ttft = link.predict(len(prompt_ids), keys_by_layout[layout])
+            if ttft < best_ttft - TIE_S:
+                best, best_ttft = link, ttft
+        if best is not None:
+            self._next = (self.links.index(best) + 1) % num_links
+            for link in order:  # the best's prediction is kept for on_sent; the others' are stale
+                if link is not best:
+                    link.predicted_miss = None
+        return best
+
+    def _next_routable(self) -> SchedulerLink | None:
+        now = time.monotonic()
+        num_links = len(self.links)
+        for k in range(num_links):
+            i = (self._next + k) % num_links
+            if self.links[i].routable(now):
+                self._next = (i + 1) % num_links
+                return self.links[i]
+        return None
 
     def _holder(self, now: float, handle: RequestHandle) -> SchedulerLink | None:
         """A scheduler getting its worker back, to hold a resubmission while none is ready
@@ -349,6 +428,7 @@ class SchedulerClient:
             handle.orphaned_at = handle.orphaned_at or time.monotonic()
             return
         if isinstance(reply, TokenOutput):
+            handle.link.num_routed_cached_tokens += reply.num_cached_tokens
             handle.token_ids += reply.token_ids
             handle.lost_at = handle.orphaned_at = handle.last_refusal = None
             handle.refused_by.clear()
@@ -364,6 +444,7 @@ class SchedulerClient:
         """The scheduler behind `link` is gone, or is not the instance our requests went to:
         out of rotation until it reports again, and its requests wait for resubmission."""
         link.stats = None
+        link.cache.forget()  # its blocks are not trusted: the instance that reports next sends its own
         if not link.request_ids:
             return
         log.error("scheduler_lost", scheduler=link.addr, reason=reason, num_requests=len(link.request_ids))
@@ -434,7 +515,8 @@ class SchedulerClient:
 
     def _send_hello(self, link: SchedulerLink, now: float) -> None:
         """Not connected (yet) is no error: it is tried again shortly."""
-        sent = send_now(link.socket, encode(GatewayHello(gateway_id=self.gateway_id)))
+        hello = GatewayHello(gateway_id=self.gateway_id, want_cache=link.cache.wants_snapshot)
+        sent = send_now(link.socket, encode(hello))
         link.next_hello = now + (HEARTBEAT_S if sent else RETRY_HELLO_S)
         if not sent and link.stats is not None:
             link.unreachable = True  # it had been heard from: its connection is gone

@@ -14,6 +14,7 @@ import structlog
 from aiohttp import web
 
 from services.gateway.app import GatewayState, build_app
+from services.gateway.routing import DEFAULT_ROUTING
 from services.gateway.scheduler_client import SchedulerClient
 from shared import zmqsec
 from shared.config import DEFAULT_FAILOVER_GRACE_S
@@ -33,6 +34,7 @@ def run(
     api_key: str | None = None,
     zmq_keys: str | None = None,
     failover_grace_s: float = DEFAULT_FAILOVER_GRACE_S,
+    routing: str = DEFAULT_ROUTING,
     **options,
 ) -> int:
     """Serve until a signal; 2 at once, before the tokenizer loads, when the scheduler
@@ -42,7 +44,7 @@ def run(
         log.error("refusing to start", service="gateway", reason=reason)
         return 2
     try:
-        client = {"zmq_keys": zmq_keys, "failover_grace_s": failover_grace_s}
+        client = {"zmq_keys": zmq_keys, "failover_grace_s": failover_grace_s, "routing": routing}
         asyncio.run(serve(host, port, scheduler_addrs, model, api_key, client=client, **options))
     finally:
         log.info("gateway_stopped", service="gateway")

@@ -42,6 +42,7 @@ import zmq
 import zmq.asyncio
 
 from services.scheduler import admin
+from services.scheduler.cache_report import CacheReport
 from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
@@ -94,6 +95,7 @@ class SchedulerService:
         self.trace = open(step_trace, "a", buffering=1) if step_trace else None
         self.num_steps = 0
         self.last_stats = 0.0
+        self.cache_report = CacheReport()  # prefix-cache changes told to gateways with the reports
         self.stats_changed = False
         self.stopping = False
 
@@ -183,8 +185,8 @@ class SchedulerService:
             return
         self.gateways[identity] = time.monotonic()
         match msg:
-            case p.GatewayHello():
-                self._send_stats_to(identity)
+            case p.GatewayHello(want_cache=want_cache):
+                self._reply(identity, self.stats(self.cache_report.snapshot() if want_cache else None))
             case p.AddRequest():
                 if self.core is None:
                     if refusal := self.link.hold(identity, msg, time.monotonic()):
@@ -408,17 +410,20 @@ class SchedulerService:
             return
         self.last_stats = now
         self.stats_changed = False
+        m = self.core.memory if self.core is not None else None
+        report = self.stats(self.cache_report.events(m and m.hbm.index, m and m.dram.index))
         for identity in self.gateways:
-            self._send_stats_to(identity)
+            self._reply(identity, report)
         if self.core is not None:
             self.observer.publish(self.core, self.draining, now)
 
-    def _send_stats_to(self, identity: bytes) -> None:
-        self._reply(identity, self.stats())
-
-    def stats(self) -> p.SchedulerStats:
+    def stats(self, cache: p.CacheEvents | None = None) -> p.SchedulerStats:
+        """The load report; `cache`: the prefix-cache events it carries (cache_report.py)."""
         w = self.link.worker
         counts = self.core.stats() if self.core else {"num_waiting": len(self.held)}
+        fit = self.core.step_time.fit() if self.core else None
+        cfg = self.core.cfg if self.core else self.cfg
+        copy_s = cfg.block_bytes / (cfg.copy_gbps * 1e9) if cfg.copy_gbps > 0 else 0.0
         return p.SchedulerStats(
             scheduler_id=self.id,
             model_name=w.model_name if w else "",
@@ -429,6 +434,13 @@ class SchedulerService:
             max_num_seqs=self.cfg.max_num_seqs,
             block_size=w.block_size if w else 0,
             **{k: counts.get(k, 0) for k in _STATS_COUNTS},
+            num_queued_tokens=self.core.num_waiting_tokens if self.core else 0,
+            step_s=fit[0] if fit else 0.0,
+            prefill_s_per_token=fit[1] if fit else 0.0,
+            max_batched_tokens=cfg.max_batched_tokens,
+            block_copy_s=copy_s,
+            cache_seq=self.cache_report.seq,
+            cache=cache,
         )
 
     def close(self) -> None:

@@ -41,7 +41,7 @@ def request(rid: str, num_prompt_tokens: int = 40) -> AddRequest:
 class Peers:
     """ROUTER sockets bound where the schedulers would be, and a client connected to them."""
 
-    def __init__(self, tmp_path, num_peers: int, num_absent: int = 0) -> None:
+    def __init__(self, tmp_path, num_peers: int, num_absent: int = 0, routing: str = "headroom") -> None:
         self.ctx = zmq.Context()
         addrs = [f"ipc://{tmp_path}/s{i}.sock" for i in range(num_peers + num_absent)]
         self.routers = []
@@ -49,7 +49,7 @@ class Peers:
             sock = self.ctx.socket(zmq.ROUTER)
             sock.bind(addr)
             self.routers.append(sock)
-        self.client = SchedulerClient(addrs, gateway_id="gw-route")
+        self.client = SchedulerClient(addrs, gateway_id="gw-route", routing=routing)
 
     def report(self, i: int, s: SchedulerStats) -> None:
         self.client.on_frame(self.client.links[i], encode(s))
@@ -235,7 +235,9 @@ def test_no_reachable_scheduler_at_submit_is_503(tmp_path):
     )
 )
 def test_pick_returns_a_routable_link_with_the_lowest_score(loads):
-    client = SchedulerClient([f"ipc:///nonexistent/superinfer-route-{i}.sock" for i in range(len(loads))])
+    client = SchedulerClient(
+        [f"ipc:///nonexistent/superinfer-route-{i}.sock" for i in range(len(loads))], routing="headroom"
+    )
     try:
         for link, (num_hbm, free_share, waiting, running, rotary, ready) in zip(client.links, loads):
             report = stats(num_hbm, int(num_hbm * free_share), num_waiting=waiting, num_running=running,
@@ -256,7 +258,7 @@ def test_pick_returns_a_routable_link_with_the_lowest_score(loads):
 def test_pick_is_cheap(tmp_path):
     """pick() runs per request: one pass, microseconds even over many schedulers."""
     num_links, num_picks = 64, 2000
-    client = SchedulerClient([f"ipc://{tmp_path}/s{i}.sock" for i in range(num_links)])
+    client = SchedulerClient([f"ipc://{tmp_path}/s{i}.sock" for i in range(num_links)], routing="headroom")
     try:
         for i, link in enumerate(client.links):
             client.on_frame(link, encode(stats(1024, 1024 - i, num_running=i % 5)))

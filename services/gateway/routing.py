@@ -1,0 +1,141 @@
+"""Where each new request goes (`--routing`): `cache-aware` (the default) sends it where its
+first token is predicted soonest, counting the prefix each scheduler already holds;
+`headroom` by SLO headroom alone (headroom.py); `round-robin` in turn.
+
+The gateway's copy of each scheduler's prefix cache (`LinkCache`) is fed by the scheduler's
+own load reports: the block keys (`protocol.block_key`) it gained and dropped in HBM and in
+DRAM since the previous report (services/scheduler/cache_report.py), numbered by `cache_seq`.
+A report out of sequence (one was lost) or a new scheduler instance drops the copy — its
+entries are not trusted — and the next hello asks for a snapshot. A prompt is named the way
+the scheduler names it, by the same function (`prefix.extend_hashes`, salted with the model's
+name, in the scheduler's block size).
+
+The score, for a prompt of P tokens whose first H blocks a scheduler holds (D of them in DRAM):
+
+    ttft ≈ steps · (a + b · num_running) + b · tokens + D · block_copy_s
+    tokens = num_queued_tokens + unreported_tokens + max(0, P − H · block_size)
+    steps  = ⌈tokens / max_batched_tokens⌉
+
+(a, b: the scheduler's fitted step time and prefill time per token; queued tokens: prompts
+waiting there, plus what this gateway sent since its last report). The lowest wins; near-equal
+scores (within TIE_S) take turns. A scheduler short of SLO headroom (`headroom_score` ≥
+SHORT_OF_HEADROOM: a request left out of its last step, or its batch and HBM as good as full)
+is chosen only when every one is. A session (the OpenAI `user` field or an `x-session-id`
+header) goes back to its scheduler while that one has headroom.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from functools import lru_cache
+
+from services.scheduler.core.prefix import extend_hashes, root_hash
+from shared.protocol import CacheEvents, SchedulerStats, block_key
+
+ROUTINGS = ("cache-aware", "headroom", "round-robin")
+DEFAULT_ROUTING = "cache-aware"
+SHORT_OF_HEADROOM = 1.0  # a headroom_score from here: a queued request, or batch + HBM full
+DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a scheduler's step-time model has a fit
+DEFAULT_BUDGET = 512
+TIE_S = 1e-3  # predicted TTFTs closer than this are a tie
+MAX_SESSIONS = 65_536  # pinned sessions kept, least recently used out
+
+
+@lru_cache(maxsize=16)
+def _root(salt: str) -> bytes:
+    return root_hash(salt)
+
+
+def prompt_keys(tokens: list[int], block_size: int, salt: str) -> list[int]:
+    """The block keys of `tokens`' full blocks, as the scheduler names them."""
+    if block_size <= 0:
+        return []
+    hashes: list[bytes] = []
+    extend_hashes(hashes, _root(salt), tokens, block_size, len(tokens) // block_size)
+    return [block_key(h) for h in hashes]
+
+
+class LinkCache:
+    """One scheduler's cached blocks, as its reports told them (`seq` −1: not trusted, a
+    snapshot is wanted)."""
+
+    def __init__(self) -> None:
+        self.hbm: set[int] = set()
+        self.dram: set[int] = set()
+        self.seq = -1
+        self.num_events = 0  # applied, for the operator's and the benchmark's rates
+
+    @property
+    def wants_snapshot(self) -> bool:
+        return self.seq < 0
+
+    def forget(self) -> None:
+        self.hbm.clear()
+        self.dram.clear()
+        self.seq = -1
+
+    def on_report(self, seq: int, ev: CacheEvents | None) -> None:
+        if ev is not None and ev.snapshot:
+            self.hbm, self.dram, self.seq = set(ev.hbm_added), set(ev.dram_added), seq
+            return
+        if self.seq < 0:
+            return  # waiting for the snapshot
+        if ev is None:
+            if seq != self.seq:
+                self.forget()  # events were sent that we never saw
+            return
+        if seq != self.seq + 1:
+            self.forget()
+            return
+        self.seq = seq
+        self.hbm.difference_update(ev.hbm_removed)
+        self.hbm.update(ev.hbm_added)
+        self.dram.difference_update(ev.dram_removed)
+        self.dram.update(ev.dram_added)
+        self.num_events += len(ev.hbm_added) + len(ev.hbm_removed) + len(ev.dram_added) + len(ev.dram_removed)
+
+    def match(self, keys: list[int]) -> tuple[int, int]:
+        """(blocks of the chain's head held, of those in DRAM only)."""
+        num_dram = 0
+        for i, k in enumerate(keys):
+            if k in self.hbm:
+                continue
+            if k in self.dram:
+                num_dram += 1
+                continue
+            return i, num_dram
+        return len(keys), num_dram
+
+
+def predicted_ttft(
+    stats: SchedulerStats, num_prompt: int, num_hit_blocks: int, num_dram_blocks: int, unreported_tokens: int = 0
+) -> float:
+    """Seconds to the first token of a `num_prompt`-token prompt on this scheduler (module doc)."""
+    b = stats.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN
+    miss = max(0, num_prompt - num_hit_blocks * stats.block_size)
+    tokens = stats.num_queued_tokens + unreported_tokens + miss
+    steps = max(1, math.ceil(tokens / (stats.max_batched_tokens or DEFAULT_BUDGET)))
+    return steps * (stats.step_s + b * stats.num_running) + b * tokens + num_dram_blocks * stats.block_copy_s
+
+
+class Sessions:
+    """Session id -> the scheduler address it was last routed to (bounded, LRU)."""
+
+    def __init__(self, max_sessions: int = MAX_SESSIONS) -> None:
+        self.max_sessions = max_sessions
+        self._addr: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, session: str | None) -> str | None:
+        if session is None or (addr := self._addr.get(session)) is None:
+            return None
+        self._addr.move_to_end(session)
+        return addr
+
+    def pin(self, session: str | None, addr: str) -> None:
+        if session is None:
+            return
+        self._addr[session] = addr
+        self._addr.move_to_end(session)
+        if len(self._addr) > self.max_sessions:
+            self._addr.popitem(last=False)
