@@ -1,6 +1,7 @@
 """The committed benchmark summary: docs/results.md is exactly what its rows render to."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -23,13 +24,40 @@ def test_add_keeps_the_tables_and_drops_per_request_lists(tmp_path):
            "samples_ms": list(range(100))}
     path = tmp_path / "model_cpu.json"
     path.write_text(json.dumps(run))
-    rows = summary.add({"entries": []}, "model", path, "The model", "superinfer bench model", None)
+    rows = summary.add({"entries": []}, "model", path, "The model", "superinfer bench model", None, ["model"], "abc1234")
     (entry,) = rows["entries"]
     assert entry["kind"] == "model" and entry["body"]["samples_ms"] is None
     page = summary.render(rows)
     assert "| decode step, batch 16 (ms) | 30.0 | 90.0 | 3.00× |" in page
+    assert "at `abc1234`" in page
     # adding the same name again replaces the entry in place
     assert len(summary.add(rows, "model", path, "Again", None, None)["entries"]) == 1
+
+
+def test_the_page_shows_only_each_comparisons_current_run(tmp_path):
+    def run(ours: float) -> Path:
+        path = tmp_path / f"model_{ours}.json"
+        path.write_text(json.dumps({"prefill_tok_s": {"ours": ours, "transformers": 600.0},
+                                    "decode_ms_b1": {"ours": 20.0, "transformers": 40.0},
+                                    "decode_ms_b16": {"ours": 30.0, "transformers": 90.0},
+                                    "speedup": {"prefill_tok_s": ours / 600, "decode_ms_b1": 2.0, "decode_ms_b16": 3.0}}))
+        return path
+
+    rows = summary.add({"entries": []}, "old", run(1111.0), "Old run", None, None, ["model"])
+    rows = summary.add(rows, "other", run(2222.0), "Other comparison", None, None, ["model-1b"])
+    rows = summary.add(rows, "new", run(3333.0), "New run", None, None, ["model"])
+    page = summary.render(rows)
+    assert "New run" in page and "3333.0" in page and "Other comparison" in page
+    assert "Old run" not in page and "1111.0" not in page
+    assert [e["name"] for e in rows["entries"]] == ["old", "other", "new"]  # history kept
+    assert "* new" in summary.history(rows) and "  old" in summary.history(rows)
+    # one run current for two comparisons is shown once
+    rows["current"]["model-1b"] = "new"
+    assert summary.render(rows).count("New run") == 1
+    # dropping a current run leaves its comparison without one
+    assert summary.drop(rows, "new")["current"] == {}
+    with pytest.raises(ValueError, match="not in the summary"):
+        summary.render({"current": {"model": "gone"}, "entries": []})
 
 
 def test_a_file_of_unknown_shape_is_refused(tmp_path):
