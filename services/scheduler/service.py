@@ -421,6 +421,7 @@ class SchedulerService:
         """The load report; `cache`: the prefix-cache events it carries (cache_report.py)."""
         w = self.link.worker
         counts = self.core.stats() if self.core else {"num_waiting": len(self.held)}
+        counts["num_queued_tokens"] = self.core.num_waiting_tokens if self.core else 0
         fit = self.core.step_time.fit() if self.core else None
         cfg = self.core.cfg if self.core else self.cfg
         copy_s = cfg.block_bytes / (cfg.copy_gbps * 1e9) if cfg.copy_gbps > 0 else 0.0
@@ -434,7 +435,6 @@ class SchedulerService:
             max_num_seqs=self.cfg.max_num_seqs,
             block_size=w.block_size if w else 0,
             **{k: counts.get(k, 0) for k in _STATS_COUNTS},
-            num_queued_tokens=self.core.num_waiting_tokens if self.core else 0,
             step_s=fit[0] if fit else 0.0,
             prefill_s_per_token=fit[1] if fit else 0.0,
             max_batched_tokens=cfg.max_batched_tokens,
