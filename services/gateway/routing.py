@@ -39,6 +39,7 @@ SHORT_OF_HEADROOM = 1.0  # a headroom_score from here: a queued request, or batc
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a scheduler's step-time model has a fit
 DEFAULT_BUDGET = 512
 TIE_S = 1e-3  # predicted TTFTs closer than this are a tie
+TIE_EPS = 1e-9  # headroom scores closer than this are a tie
 MAX_SESSIONS = 65_536  # pinned sessions kept, least recently used out
 
 
@@ -139,3 +140,66 @@ class Sessions:
         self._addr.move_to_end(session)
         if len(self._addr) > self.max_sessions:
             self._addr.popitem(last=False)
+
+
+class Router:
+    """The choice among schedulers, without sockets or clock (the gateway's client and the
+    simulator's replicas, bench/sim/replicas.py, both ask it). `links`: objects with the
+    gateway's `SchedulerLink` view (`routable`, `score`, `short_of_headroom`, `predict`,
+    `stats`, `addr`); `now`: the clock their `routable` reads. Each returns None when no link
+    is routable."""
+
+    def __init__(self, routing: str = DEFAULT_ROUTING) -> None:
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {routing!r} (one of {', '.join(ROUTINGS)})")
+        self.routing = routing
+        self.sessions = Sessions()
+        self.next = 0  # round-robin start: where the scan for the best link begins
+
+    def pick(self, links: list, now: float, prompt_ids: list[int], session: str | None = None):
+        if self.routing == "cache-aware":
+            return self.soonest(links, now, prompt_ids, session)
+        if self.routing == "round-robin":
+            return self._lowest(links, [link for link in links if link.routable(now)], lambda link: 0.0, 0.5)
+        return self.best_headroom(links, now)
+
+    def best_headroom(self, links: list, now: float):
+        """The most SLO headroom (lowest `headroom_score`)."""
+        return self._lowest(links, [link for link in links if link.routable(now)], lambda link: link.score(), TIE_EPS)
+
+    def soonest(self, links: list, now: float, prompt_ids: list[int], session: str | None):
+        """The lowest predicted TTFT among schedulers with SLO headroom (all, when none has
+        any); a session's own scheduler while it has headroom."""
+        live = [link for link in links if link.routable(now)]
+        roomy = [link for link in live if not link.short_of_headroom()]
+        pinned = self.sessions.get(session)
+        link = next((link for link in roomy if link.addr == pinned), None) if pinned else None
+        if link is None:
+            keys_by_layout: dict[tuple[int, str], list[int]] = {}
+
+            def ttft(link) -> float:
+                layout = (link.stats.block_size, link.stats.model_name)
+                if layout not in keys_by_layout:
+                    keys_by_layout[layout] = prompt_keys(prompt_ids, *layout)
+                return link.predict(len(prompt_ids), keys_by_layout[layout])
+
+            link = self._lowest(links, roomy or live, ttft, TIE_S)
+            for other in live:  # the best's prediction is kept for on_sent; the others' are stale
+                if other is not link:
+                    other.predicted_miss = None
+        if link is not None:
+            self.sessions.pin(session, link.addr)
+        return link
+
+    def _lowest(self, links: list, candidates: list, cost, tie: float):
+        """The candidate of lowest `cost`; among those within `tie` of each other, the first
+        from `self.next` in `links`' order (round-robin)."""
+        n = len(links)
+        index = {id(link): i for i, link in enumerate(links)}
+        best, best_cost = None, math.inf
+        for link in sorted(candidates, key=lambda link: (index[id(link)] - self.next) % n):
+            if (c := cost(link)) < best_cost - tie:
+                best, best_cost = link, c
+        if best is not None:
+            self.next = (index[id(best)] + 1) % n
+        return best

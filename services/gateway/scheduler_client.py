@@ -47,9 +47,7 @@ from zmq.utils.monitor import parse_monitor_message
 from services.gateway.errors import unavailable
 from services.gateway.headroom import headroom_score, num_blocks
 from services.gateway.request_handle import RequestHandle
-from services.gateway.routing import (
-    DEFAULT_ROUTING, ROUTINGS, SHORT_OF_HEADROOM, TIE_S, LinkCache, Sessions, predicted_ttft, prompt_keys,
-)
+from services.gateway.routing import DEFAULT_ROUTING, SHORT_OF_HEADROOM, LinkCache, Router, predicted_ttft
 from shared import zmqsec
 from shared.config import DEFAULT_FAILOVER_GRACE_S, ZMQ_HWM, ZMQ_LINGER_MS
 from shared.protocol import (
@@ -69,7 +67,6 @@ HEARTBEAT_S = 1.0
 RETRY_HELLO_S = 0.1  # until a hello gets through (the connection is still being made)
 STALE_AFTER_S = 5.0  # no message for this long: the scheduler is considered gone
 MAX_RECV_PER_TICK = 256
-TIE_EPS = 1e-9  # scores closer than this are a tie
 
 log = structlog.get_logger()
 Reply = TokenOutput | RequestError
@@ -171,10 +168,7 @@ class SchedulerClient:
     ) -> None:
         if not addrs:
             raise ValueError("at least one scheduler address is needed")
-        if routing not in ROUTINGS:
-            raise ValueError(f"unknown routing {routing!r} (one of {', '.join(ROUTINGS)})")
-        self.routing = routing
-        self.sessions = Sessions()
+        self.router = Router(routing)
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
         self.failover_grace_s = failover_grace_s
         self._ctx = zmq.asyncio.Context()
@@ -187,7 +181,6 @@ class SchedulerClient:
         self._pending: dict[str, RequestHandle] = {}  # wire id -> those at a scheduler now
         self._orphans: dict[str, RequestHandle] = {}  # request id -> those waiting for one
         self._tasks: list[asyncio.Task] = []
-        self._next = 0  # round-robin start: where the scan for the best link begins
 
     def _socket(self, addr: str) -> zmq.asyncio.Socket:
         s = self._ctx.socket(zmq.DEALER)
@@ -234,12 +227,7 @@ class SchedulerClient:
     def pick(self, prompt_ids: list[int] | None = None, session: str | None = None) -> SchedulerLink:
         """Where a new request with this prompt (and session, if any) goes, by `self.routing`
         (module doc). 503 when no scheduler is reachable, or none has a ready worker."""
-        if self.routing == "cache-aware":
-            link = self._soonest(prompt_ids or [], session)
-        elif self.routing == "round-robin":
-            link = self._next_routable()
-        else:
-            link = self._best()
+        link = self.router.pick(self.links, time.monotonic(), prompt_ids or [], session)
         if link is None:
             now = time.monotonic()
             if any(link.is_live(now) for link in self.links):
@@ -248,61 +236,7 @@ class SchedulerClient:
         return link
 
     def _best(self) -> SchedulerLink | None:
-        """One pass over the links, no allocation: it runs for every request."""
-        now = time.monotonic()
-        num_links = len(self.links)
-        best, best_index, best_score = None, 0, math.inf
-        for k in range(num_links):
-            i = (self._next + k) % num_links
-            link = self.links[i]
-            if link.routable(now) and (score := link.score()) < best_score - TIE_EPS:
-                best, best_index, best_score = link, i, score
-        if best is not None:
-            self._next = (best_index + 1) % num_links
-        return best
-
-    def _soonest(self, prompt_ids: list[int], session: str | None) -> SchedulerLink | None:
-        """The lowest predicted TTFT among schedulers with SLO headroom (all, when none has
-        any); a session's own scheduler while it has headroom. Ties round-robin."""
-        now = time.monotonic()
-        live = [link for link in self.links if link.routable(now)]
-        roomy = [link for link in live if not link.short_of_headroom()]
-        pinned = self.sessions.get(session)
-        link = next((link for link in roomy if link.addr == pinned), None) if pinned else None
-        if link is None:
-            link = self._lowest(roomy or live, prompt_ids)
-        if link is not None:
-            self.sessions.pin(session, link.addr)
-        return link
-
-    def _lowest(self, candidates: list[SchedulerLink], prompt_ids: list[int]) -> SchedulerLink | None:
-        num_links = len(self.links)
-        order = sorted(candidates, key=lambda link: (self.links.index(link) - self._next) % num_links)
-        keys_by_layout: dict[tuple[int, str], list[int]] = {}
-        best, best_ttft = None, math.inf
-        for link in order:
-            layout = (link.stats.block_size, link.stats.model_name)
-            if layout not in keys_by_layout:
-                keys_by_layout[layout] = prompt_keys(prompt_ids, *layout)
-            ttft = link.predict(len(prompt_ids), keys_by_layout[layout])
-            if ttft < best_ttft - TIE_S:
-                best, best_ttft = link, ttft
-        if best is not None:
-            self._next = (self.links.index(best) + 1) % num_links
-            for link in order:  # the best's prediction is kept for on_sent; the others' are stale
-                if link is not best:
-                    link.predicted_miss = None
-        return best
-
-    def _next_routable(self) -> SchedulerLink | None:
-        now = time.monotonic()
-        num_links = len(self.links)
-        for k in range(num_links):
-            i = (self._next + k) % num_links
-            if self.links[i].routable(now):
-                self._next = (i + 1) % num_links
-                return self.links[i]
-        return None
+        return self.router.best_headroom(self.links, time.monotonic())
 
     def _holder(self, now: float, handle: RequestHandle) -> SchedulerLink | None:
         """A scheduler getting its worker back, to hold a resubmission while none is ready

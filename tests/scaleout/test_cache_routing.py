@@ -167,14 +167,14 @@ def test_a_replica_short_of_headroom_is_avoided_even_holding_the_prefix(tmp_path
         assert all(peers.client.pick(prompt) is holder for _ in range(3))
         # A session pinned elsewhere comes back to the holder only while the holder has headroom.
         assert peers.client.pick(conversation(4), session="s1") is not None
-        peers.client.sessions.pin("s1", other.addr)
+        peers.client.router.sessions.pin("s1", other.addr)
         assert peers.client.pick(prompt, session="s1") is other  # the pin is a hint the score leaves alone
         peers.client.on_frame(holder, p.encode(stats(512, 400, num_running=4, num_waiting=1)))  # left one out
         assert holder.cache.match(keys)[0] == len(keys)  # it still holds the prefix
         assert all(peers.client.pick(prompt) is other for _ in range(3))
-        peers.client.sessions.pin("s2", holder.addr)
+        peers.client.router.sessions.pin("s2", holder.addr)
         assert peers.client.pick(prompt, session="s2") is other
-        assert peers.client.sessions.get("s2") == other.addr
+        assert peers.client.router.sessions.get("s2") == other.addr
     finally:
         peers.close()
 
