@@ -15,7 +15,27 @@ a pool with nothing in it: its first diff drops everything.
 
 from __future__ import annotations
 
-from shared.protocol import MAX_CACHE_EVENTS, CacheEvents, block_key
+from shared.protocol import MAX_CACHE_EVENTS, CacheEvents, SchedulerStats, block_key
+
+# SchedulerStats fields taken as they are from the core's stats().
+STATS_COUNTS = [f for f in SchedulerStats.__struct_fields__ if f.startswith("num_")]
+
+
+def core_report(core) -> dict:
+    """The load report's fields that a `SchedulerCore` knows (the live service and the
+    simulator's replicas both report them): its counts, the prompt tokens waiting, and what
+    the gateway's TTFT prediction needs (the step-time fit, the token budget, a block's copy
+    time)."""
+    counts = {**core.stats(), "num_queued_tokens": core.num_waiting_tokens}
+    fit, cfg = core.step_time.fit(), core.cfg
+    return {
+        **{k: counts.get(k, 0) for k in STATS_COUNTS},
+        "step_s": fit[0] if fit else 0.0,
+        "prefill_s_per_token": fit[1] if fit else 0.0,
+        "max_batched_tokens": cfg.max_batched_tokens,
+        "block_copy_s": cfg.block_bytes / (cfg.copy_gbps * 1e9) if cfg.copy_gbps > 0 else 0.0,
+        "max_num_seqs": cfg.max_num_seqs,
+    }
 
 
 class CacheReport:
@@ -24,6 +44,11 @@ class CacheReport:
         self.seq = 0  # reports that carried events so far
         self.hbm: dict[bytes, int] = {}  # hash -> block_key, as the gateways were told
         self.dram: dict[bytes, int] = {}
+
+    def core_events(self, core) -> CacheEvents | None:
+        """`events` of a core's two pools (None: no core; everything it held is dropped)."""
+        m = core.memory if core is not None else None
+        return self.events(m and m.hbm.index, m and m.dram.index)
 
     def events(self, hbm_index: dict[bytes, int] | None, dram_index: dict[bytes, int] | None) -> CacheEvents | None:
         """The changes since the last call (None when there are none); `*_index`: the pools'

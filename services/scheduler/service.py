@@ -42,7 +42,7 @@ import zmq
 import zmq.asyncio
 
 from services.scheduler import admin
-from services.scheduler.cache_report import CacheReport
+from services.scheduler.cache_report import STATS_COUNTS, CacheReport, core_report
 from services.scheduler.core import Overloaded, SchedulerConfig, SchedulerCore
 from services.scheduler.core.step import Step
 from services.scheduler.driver import Driver
@@ -58,8 +58,6 @@ GATEWAY_STALE_S = 5.0  # a gateway not heard from this long is gone: its request
 INVARIANT_CHECK_EVERY = 200  # steps
 MAX_FAILED_STEPS = 3  # whole steps failed in a row (each followed by a reset) before live requests fail
 DRAINING_MESSAGE = "the scheduler is draining: it admits no new requests"
-# SchedulerStats fields taken as they are from the core's stats().
-_STATS_COUNTS = [f for f in p.SchedulerStats.__struct_fields__ if f.startswith("num_")]
 
 
 class SchedulerService:
@@ -410,8 +408,7 @@ class SchedulerService:
             return
         self.last_stats = now
         self.stats_changed = False
-        m = self.core.memory if self.core is not None else None
-        report = self.stats(self.cache_report.events(m and m.hbm.index, m and m.dram.index))
+        report = self.stats(self.cache_report.core_events(self.core))
         for identity in self.gateways:
             self._reply(identity, report)
         if self.core is not None:
@@ -420,11 +417,10 @@ class SchedulerService:
     def stats(self, cache: p.CacheEvents | None = None) -> p.SchedulerStats:
         """The load report; `cache`: the prefix-cache events it carries (cache_report.py)."""
         w = self.link.worker
-        counts = self.core.stats() if self.core else {"num_waiting": len(self.held)}
-        counts["num_queued_tokens"] = self.core.num_waiting_tokens if self.core else 0
-        fit = self.core.step_time.fit() if self.core else None
-        cfg = self.core.cfg if self.core else self.cfg
-        copy_s = cfg.block_bytes / (cfg.copy_gbps * 1e9) if cfg.copy_gbps > 0 else 0.0
+        if self.core is not None:
+            fields = core_report(self.core)
+        else:
+            fields = {**dict.fromkeys(STATS_COUNTS, 0), "num_waiting": len(self.held), "max_num_seqs": self.cfg.max_num_seqs}
         return p.SchedulerStats(
             scheduler_id=self.id,
             model_name=w.model_name if w else "",
@@ -432,13 +428,8 @@ class SchedulerService:
             worker_ready=self.core is not None,
             draining=self.draining,
             worker_id=w.worker_id if w and self.core else "",
-            max_num_seqs=self.cfg.max_num_seqs,
             block_size=w.block_size if w else 0,
-            **{k: counts.get(k, 0) for k in _STATS_COUNTS},
-            step_s=fit[0] if fit else 0.0,
-            prefill_s_per_token=fit[1] if fit else 0.0,
-            max_batched_tokens=cfg.max_batched_tokens,
-            block_copy_s=copy_s,
+            **fields,
             cache_seq=self.cache_report.seq,
             cache=cache,
         )
