@@ -40,7 +40,7 @@ BENCHMARKS = {
     "simlive": ("bench.sim.simlive", "the simulator vs the live server on one ShareGPT trace, calibrated in the same run"),
     "reproduce": ("bench.sim.reproduce", "regenerate bench/REPRODUCTION.md from simulator runs"),
     "tier": ("bench.sim.tier", "the DRAM prefix-cache tier in the simulator: LVF + tier vs vLLM V1 + host tier"),
-    "synth-model": ("bench.models.synth", "a model of a real shape (Llama-3.2-1B/3B, Qwen2.5-1.5B), seeded random weights: GGUFs + HF folder"),
+    "synth-model": ("bench.models.synth", "a real model's shape, seeded random weights: GGUF F16/Q8_0/Q4_1, HF bf16"),
     "summary": ("bench.summary", "copy a run's figures into bench/summary.json and render docs/results.md"),
 }
 
