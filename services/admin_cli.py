@@ -145,6 +145,17 @@ def table(rows: list[p.RequestRow], width: int | None = None) -> list[str]:
     return out
 
 
+def prefix_line(st: p.SchedulerStats) -> str:
+    """The cache hit share of the prompt tokens routed to this scheduler (its HBM prefix cache,
+    then its DRAM tier): what the gateway's cache-aware routing is for."""
+    hits = st.num_prefix_hits + st.num_tier_hits
+    share = pct(hits / st.num_prefix_queries) if st.num_prefix_queries else "n/a"
+    return (
+        f"prefix     {share} of {st.num_prefix_queries} prompt tokens routed here were cached"
+        f" (hbm {st.num_prefix_hits}, dram tier {st.num_tier_hits})"
+    )
+
+
 def summary(s: p.StatsReply) -> list[str]:
     """The stats/top header: load, pools, counters, and the last minute."""
     st, w = s.stats, s.window
@@ -164,6 +175,7 @@ def summary(s: p.StatsReply) -> list[str]:
         f"  finished {s.num_finished}  aborted {s.num_aborted}",
         f"kv blocks  hbm {used(st.num_hbm_blocks, st.num_free_hbm_blocks)}"
         f"  dram {used(st.num_dram_blocks, st.num_free_dram_blocks)}" + tier,
+        prefix_line(st),
         f"totals     steps {s.num_steps}  preemptions {st.num_preemptions} (recompute {st.num_recomputes})"
         f"  rotations out {st.num_rotations_out} in {st.num_rotations_in}"
         f"  blocks in {st.num_blocks_swapped_in} out {st.num_blocks_swapped_out} mirrored {st.num_blocks_mirrored}",

@@ -200,3 +200,11 @@ def test_reports_out_of_sequence_drop_the_copy_until_a_snapshot():
     assert cache.wants_snapshot and not cache.hbm
     cache.on_report(report.seq, report.snapshot())
     assert not cache.wants_snapshot and cache.hbm == set(report.hbm.values()) and len(cache.hbm) == 1
+
+
+def test_the_operator_sees_each_replicas_cache_hit_share():
+    from services import admin_cli
+
+    st = msgspec.structs.replace(stats(64), num_prefix_queries=1000, num_prefix_hits=600, num_tier_hits=150)
+    assert "75.0% of 1000 prompt tokens routed here were cached (hbm 600, dram tier 150)" in admin_cli.prefix_line(st)
+    assert "n/a of 0" in admin_cli.prefix_line(stats(64))
