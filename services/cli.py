@@ -39,6 +39,7 @@ BENCHMARKS = {
     "calibrate": ("bench.sim.calibrate", "measure this machine's worker and write the `cpu` profile"),
     "simlive": ("bench.sim.simlive", "the simulator vs the live server on one ShareGPT trace, calibrated in the same run"),
     "reproduce": ("bench.sim.reproduce", "regenerate bench/REPRODUCTION.md from simulator runs"),
+    "replicas": ("bench.sim.replicas", "N replicas behind one gateway in the simulator: cache-aware, headroom, round-robin routing"),
     "tier": ("bench.sim.tier", "the DRAM prefix-cache tier in the simulator: LVF + tier vs vLLM V1 + host tier"),
     "synth-model": ("bench.models.synth", "a real model's shape, seeded random weights: GGUF F16/Q8_0/Q4_1, HF bf16"),
     "summary": ("bench.summary", "copy a run's figures into bench/summary.json and render docs/results.md"),
