@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from services.worker import fused_decode
 from services.worker.attention import build_metadata
 from services.worker.grammar import Constraint, GrammarCompiler, mask_rows
 from services.worker.host_memory import huge_page_host_tensor
@@ -127,7 +126,6 @@ class ModelRunner:
         self.grammars = grammars  # needed for requests with a grammar
         self._requests: dict[str, _Request] = {}
         self._num_asking = 0  # requests whose `asks`: while 0, a step is plain sampling
-        self._fused: fused_decode.Decodes | None = None  # made at the first step of decodes
 
     # ------------------------------------------------------------ request state
 
@@ -170,6 +168,11 @@ class ModelRunner:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def extent(self, request_id: str) -> tuple[int, int] | None:
+        """(tokens known, block table length) of a request held here, else None (plan_check.py)."""
+        r = self._requests.get(request_id)
+        return None if r is None else (len(r.token_ids), len(r.block_table))
 
     def token_ids(self, request_id: str) -> list[int]:
         """Prompt + outputs known for the request (a copy)."""
@@ -236,17 +239,16 @@ class ModelRunner:
         logit_rows = sample_rows + [row for _, row, _ in scored] if samples_here else []
         out = StepTokens([], [])
         chosen_ids = [step[i].request_id for i in sampled]
-        decoded = self._decodes(step, reqs, token_ids, positions, sample_rows) if samples_here and not scored else None
-        if decoded is not None:  # a step of decodes in one native call (fused_decode.Decodes)
-            logits, new_tokens = decoded
-            if new_tokens is None:
-                new_tokens = self._sample(logits, chosen, chosen_ids, out)
+        if len(token_ids) == len(step):  # decodes alone: the model's `decode` (one native call where it applies)
+            pick = samples_here and not self._num_asking and all(is_greedy(reqs[i].params) for i in sample_rows)
+            tables = [r.block_table for r in reqs]
+            logits, new_tokens = self.model.decode(self.kv_pool, token_ids, positions, tables, logit_rows, pick)
+            if new_tokens is None and samples_here:
+                new_tokens = self._tokens(logits, len(sample_rows), scored, chosen, chosen_ids, out)
         else:
             with torch.inference_mode():
                 logits = self._forward(step, reqs, token_ids, positions, logit_rows)  # [S + P, V]
-                if scored:
-                    self._score_prompts(logits[len(sample_rows) :], scored)
-                new_tokens = self._sample(logits[: len(sample_rows)], chosen, chosen_ids, out) if samples_here else None
+                new_tokens = self._tokens(logits, len(sample_rows), scored, chosen, chosen_ids, out) if samples_here else None
         if self.group is not None:
             new_tokens = self.group.broadcast_tokens(new_tokens, len(chosen))
         for r, t in zip(chosen, new_tokens):
@@ -255,6 +257,13 @@ class ModelRunner:
         out.request_ids = [s.request_id for s in scheduled if s.request_id in by_request]
         out.token_ids = [by_request[rid] for rid in out.request_ids]
         return out
+
+    def _tokens(self, logits, num_samples: int, scored, chosen: list[_Request], ids: list[str], out: StepTokens):
+        """logits: [S + P, V], the rows that sample then those that score a prompt token."""
+        if scored:
+            self._score_prompts(logits[num_samples:], scored)
+            logits = logits[:num_samples]
+        return self._sample(logits, chosen, ids, out)
 
     def _sample(self, logits: torch.Tensor, chosen: list[_Request], ids: list[str], out: StepTokens) -> list[int]:
         """logits: [S, V], one row per chosen request (processed in place for those that
@@ -309,17 +318,6 @@ class ModelRunner:
         lps = token_logprobs(raw_logprobs(logits), [t for _, _, t in scored], ks)
         for (r, _, _), lp in zip(scored, lps):
             r.prompt_logprobs.append(lp)
-
-    def _decodes(self, step, reqs, token_ids, positions, sample_rows) -> tuple[torch.Tensor, list[int] | None] | None:
-        """A step of single-token rows through fused_decode.Decodes, without the metadata and
-        tensors `_forward` builds: (logits [S, V], the tokens where every row that samples is
-        greedy and asks for nothing more, else None), or None where it does not apply."""
-        if len(token_ids) != len(step) or not self.model.fused_decode or self.device.type != "cpu":
-            return None
-        if self._fused is None:
-            self._fused = fused_decode.Decodes(self.model, self.kv_pool, self.block_size)
-        pick = not self._num_asking and all(is_greedy(reqs[i].params) for i in sample_rows)
-        return self._fused.run(token_ids, positions, [r.block_table for r in reqs], sample_rows, pick)
 
     def _forward(self, step, reqs, token_ids, positions, sample_rows) -> torch.Tensor:
         meta = build_metadata(

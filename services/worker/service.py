@@ -41,6 +41,7 @@ from services.worker.executor import StepExecutor
 from services.worker.faults import FAULTS_ENV, Faults
 from services.worker.faults import refusal as fault_refusal
 from services.worker.grammar import GrammarCompiler
+from services.worker.plan_check import Limits, PlanChecker, PlanError
 from services.worker.runner import ModelRunner
 from services.worker.tp import TPGroup
 from services.worker.transfer import TransferEngine, measure_copy_gbps
@@ -55,10 +56,19 @@ BUSY_EVERY_S = 1.0  # while a step computes, the socket thread says so this ofte
 
 class WorkerService:
     def __init__(
-        self, connect: str, ready: p.WorkerReady, execute: StepExecutor, log, zmq_keys: str | None = None
+        self,
+        connect: str,
+        ready: p.WorkerReady,
+        execute: StepExecutor,
+        log,
+        zmq_keys: str | None = None,
+        check: PlanChecker | None = None,
+        faults: Faults | None = None,
     ) -> None:
         self.ready = ready
         self.execute = execute
+        self.check = check  # every id and length of a plan, before any of it runs (plan_check.py)
+        self.faults = faults or Faults()
         self.log = log
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -138,6 +148,13 @@ class WorkerService:
                 self.log.warning("scheduler asked for a reset", reason=plan.reason)
                 plans.put((RESET, time.perf_counter()))
                 continue
+            plan = self.faults.corrupt(plan, self.ready)
+            try:
+                if self.check is not None:
+                    self.check.check_ids(plan)
+            except PlanError as e:  # answered in order by the compute thread; nothing of it runs
+                plans.put((e, time.perf_counter()))
+                continue
             plans.put((plan, time.perf_counter()))
             self.execute.try_prefetch(plan, self.log)
 
@@ -160,7 +177,14 @@ class WorkerService:
                 continue
             self.computing = plan.step_id
             try:
+                if isinstance(plan, PlanError):
+                    raise plan
+                if self.check is not None:
+                    self.check.check_tables(plan)
                 reply = self.execute(plan, max(0.0, arrived - idle_since))
+            except PlanError as e:  # the worker's state is untouched: it serves on
+                self.log.error("bad plan", step_id=e.step_id, field=e.field, request_id=e.request_id, error=str(e))
+                reply = p.WorkerError(e.step_id, str(e))
             except Exception as e:  # a failed step is reported, not fatal to the loop
                 self.log.exception("step failed", step_id=plan.step_id)
                 reply = p.WorkerError(plan.step_id, f"{type(e).__name__}: {e}")
@@ -316,7 +340,8 @@ def run(args: argparse.Namespace) -> int:
         execute = StepExecutor(runner, engine, faults)
         if group is not None:
             execute = tp.DriverExecutor(execute, group, ranks)
-        service = WorkerService(args.connect, ready, execute, log, args.zmq_keys)
+        check = PlanChecker(Limits.of(ready), runner.extent)
+        service = WorkerService(args.connect, ready, execute, log, args.zmq_keys, check, faults)
         # What startup built (torch, the model, the kernels) lives until exit: out of the
         # collector's sight it costs no full collection mid-step and no seconds at exit.
         gc.collect()
