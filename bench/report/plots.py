@@ -88,3 +88,66 @@ def line_label(row: dict, rows: list[dict]) -> str:
     """The policy, plus every knob that varies across `rows`."""
     varying = [k for k in KNOBS if len({r[k] for r in rows}) > 1]
     return " ".join([row["policy"], *(f"{k}={row[k]}" for k in varying)])
+
+
+# One colour per policy across every figure of the reproduction (the SuperInfer ones solid and
+# thick, the baselines thin).
+POLICY_COLORS = {
+    "superinfer-artifact": "#d62728",
+    "lvf-paper": "#ff7f0e",
+    "lvf": "#2ca02c",
+    "fcfs": "#1f77b4",
+    "trtllm": "#9467bd",
+    "lightllm": "#8c564b",
+    "ltr": "#e377c2",
+    "neo": "#7f7f7f",
+    "sf": "#bcbd22",
+    "wf": "#17becf",
+}
+POLICY_NAMES = {"fcfs": "vllm-v1"}
+
+
+def _style(policy: str) -> dict:
+    strong = policy in ("superinfer-artifact", "lvf-paper", "lvf")
+    return {"color": POLICY_COLORS.get(policy, "black"), "linewidth": 2.2 if strong else 1.2, "marker": "o" if strong else "."}
+
+
+def reproduction_figures(res: dict, out_dir: Path) -> None:
+    """bench/figures/: Fig. 16 per model and data set (TTFT and TBT attainment vs req/s, the
+    policy-agnostic knobs off) and the knob sweeps, from the compact rows."""
+    plt = _plt()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in res["fig16"]:
+        if r["knobs"] == "off":
+            groups.setdefault((r["model"], r["dataset"]), []).append(r)
+    for (model, ds), rows in groups.items():
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for ax, key, what in ((axes[0], "ttft_attainment", "TTFT"), (axes[1], "tbt_attainment", "TBT")):
+            for p in POLICY_COLORS:
+                rs = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"])
+                if rs:
+                    ax.plot([r["rate"] for r in rs], [100 * r[key] for r in rs], label=POLICY_NAMES.get(p, p), **_style(p))
+            ax.set(xlabel="request rate (req/s)", ylabel=f"{what} SLO attainment (%)", ylim=(0, 102), title=f"{what}: {model}, {ds}")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        slug = model.lower().replace(".", "").replace("-", "")
+        fig.savefig(out_dir / f"fig16_{slug}_{ds}.png", dpi=100, bbox_inches="tight")
+        plt.close(fig)
+    knobs = res.get("knobs", {})
+    if knobs:
+        fig, axes = plt.subplots(1, len(knobs), figsize=(4 * len(knobs), 3.5))
+        for ax, (knob, rows) in zip(axes, knobs.items()):
+            for p in ("lvf-paper", "lvf"):
+                rs = sorted((r for r in rows if r["policy"] == p), key=lambda r: r[knob])
+                xs = [r[knob] for r in rs]
+                st = _style(p)
+                ax.plot(xs, [100 * r["ttft_attainment"] for r in rs], label=f"{p} TTFT", **st)
+                ax.plot(xs, [100 * r["tbt_attainment"] for r in rs], label=f"{p} TBT", linestyle="--", **st)
+            ax.set(xlabel=knob + (" (blocks)" if knob == "xfer_budget" else ""), ylabel="SLO attainment (%)", ylim=(0, 102))
+            if knob == "xfer_budget":
+                ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.savefig(out_dir / "knobs.png", dpi=100, bbox_inches="tight")
+        plt.close(fig)

@@ -1,335 +1,471 @@
-"""bench/REPRODUCTION.md from the reproduction's rows (bench/sim/reproduce.py runs them)."""
+"""bench/REPRODUCTION.md from the reproduction's compact rows (bench/sim/reproduce.py runs
+them; ROWS keeps them in git): the claim -> verdict table first, then the setting and its
+deviations from the authors' harness, the pressured results, the ablations, the appendix.
+
+A verdict is one of VERDICTS. The thresholds are ours, not the paper's, and the page states
+them: a lead counts from LEAD points beyond the seeds' spread; TBT is comparable within
+TBT_TIE points or the spread; a severe TBT cost is SEVERE points or more."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench.report import baselines_table, simlive, tier
-from bench.report.discussion import LEAD, SEVERE, TBT_TIE, ablation_summary, claim_rows, pressure_arithmetic, verdicts
-from bench.report.rows import BASELINES, LVFS, PAPER_STEP, PAPER_TABLE1, at, name
-from bench.report.tables import attainment_table, detail_table, flat, policy_label
+from bench.report import baselines_table, simlive
+from bench.report.rows import PAPER_STEP, PAPER_TABLE1, name, pct
 
-ROWS_FILE = "reproduction.json"
-FIGURES = "figures"  # the plots, beside the Markdown (in git: the page shows them)
-CALIBRATION_TOLERANCE = 0.15  # per-step figures within 15% of the paper's count as matched
-
-
-def _scheduling(st: dict) -> str:
-    """How the run timed scheduling: what our core measured per step, or a modelled constant
-    (rows written before `bench reproduce` measured it)."""
-    if st.get("sched_time") == "measured":
-        return (
-            "Each step's scheduling takes the time our core's `schedule()` took for it on this machine's CPU, "
-            "overlapped with compute (the paper's scheduler took 7.6 ms)."
-        )
-    return f"Scheduling is modelled at the paper's {st['hardware']['sched_ms']:g} ms per step, overlapped with compute."
-
-
-def _dram(hw: dict) -> str:
-    """The DRAM given to the KV-cache: a fixed size, or a share of the host memory."""
-    if hw.get("kv_dram_gb") is not None:
-        return f"{hw['kv_dram_gb']:g} GB of the {hw['host_gb']:g} GB Grace DRAM"
-    return f"{hw['dram_fraction']:g} × {hw['host_gb']:g} GB Grace DRAM"
+ROWS = Path(__file__).resolve().parent / "reproduction_rows.json"
+OPEN_CHOICES = Path(__file__).resolve().parent / "open_choices.md"  # the paper's open choices (superinfer-artifact's)
+FIGURES = "figures"  # the plots, beside the Markdown (bench/figures/)
+HOLDS, OURS, FAILS, UNTESTED, CIRCULAR = (
+    "holds", "holds only with our additions", "fails", "not tested (no memory pressure arose)", "circular",
+)  # fmt: skip
+VERDICTS = (HOLDS, OURS, FAILS, UNTESTED, CIRCULAR)
+LEAD, TBT_TIE, SEVERE = 5.0, 5.0, 10.0  # points
+PAPER_LEAD, PAPER_THROUGHPUT = 74.7, 29.2  # "up to 74.7 points" (Fig. 16), "up to +29.2%" (Fig. 23)
+SUPERINFER = ("superinfer-artifact", "lvf-paper", "lvf")  # the authors' code, the paper's text, ours
+PAPERS = ("superinfer-artifact", "lvf-paper")
+COMPARED_TBT = ("fcfs", "trtllm", "lightllm", "neo")  # the paper: TBT comparable to these
+KEEP = (
+    "policy", "knobs", "dataset", "model", "variant", "rate", "transfer_mode", "xfer_budget", "alpha", "beta_f",
+    "beta_b", "ttft_attainment", "ttft_attainment_spread", "tbt_attainment", "tbt_attainment_spread",
+    "ttft_p50_ms", "ttft_p99_ms", "tbt_p50_ms", "tbt_p99_ms", "throughput_tok_s", "num_preemptions",
+    "num_preemptions_min", "num_rotations_out", "num_recomputes", "compute_ms_mean", "xfer_ms_mean",
+    "sched_wall_ms_p50", "completed", "num_requests", "seeds",
+)  # fmt: skip
 
 
-def conversations_setting(st: dict) -> str:
-    """The conversations workload, as the setting paragraph tells it."""
-    c = st["conversations"]
-    return (
-        f"**ShareGPT conversations**: {c['num_conversations']} "
-        f"conversations per seed ({c['num_turns']} turns) replayed turn by turn at their real lengths (up to a 32k "
-        f"context), each turn's prompt the whole history (mean {c['mean_prompt_tokens']:.0f} prompt / "
-        f"{c['mean_output_tokens']:.0f} output tokens a turn; a conversation ends at {c['mean_context_tokens']:.0f} "
-        f"tokens of context on average, {c['max_context_tokens']} at most), the next turn sent {c['think_s']:g} s after "
-        "the previous one ends; conversations arrive by Poisson at "
-        f"{', '.join(f'{r:g}' for r in c['rates'])} per second; prefix caching on for every policy (vLLM V1's default)."
-    )
+def compact(res: dict) -> dict:
+    """The rows the page cites, with only the columns it reads (ROWS, in git)."""
+    slim = lambda rows: [{k: r[k] for k in KEEP if k in r} for r in rows]  # noqa: E731
+    out = {k: slim(v) if k != "table1" else v for k, v in res.items() if isinstance(v, list)}
+    out["knobs"] = {k: slim(v) for k, v in res["knobs"].items()}
+    out["setting"] = res["setting"]
+    return out
 
 
+def render_file(rows: Path = ROWS) -> str:
+    return render(json.loads(rows.read_text()))
 
 
-def render_results(results: Path) -> str:
-    """The Markdown from the rows in `results` (`reproduction.json`) and the simulator-vs-live
-    runs on record there: nothing else goes into it."""
-    return render(json.loads((results / ROWS_FILE).read_text()), simlive.load_runs(results))
+# ---------------------------------------------------------------- row lookups
 
 
-def render(res: dict, simlive_runs: list[dict]) -> str:
-    """The Markdown from the reproduction's rows (one list of rows per figure, and `setting`,
-    what the simulator ran: bench/sim/reproduce.py `setting_record`)."""
-    st = res["setting"]
-    conv_unit = "conversations/s"
-    workloads = {
-        "ShareGPT (the paper's)": (res["fig16"], "req/s"),
-        "LMSYS-Chat-1M mix": (res["fig16_lmsys"], "req/s"),
-        "conversations (ours)": (_duplex(res["fig16_conv"]), conv_unit),
-    }
-    table, ok = claim_rows(workloads)
-    L = [
-        *header(st),
-        "## The paper's claims, in its words, beside ours",
-        "",
-        f"Both LVFs on every workload: `lvf-paper` is VLT and LVF as the paper defines them, none of our guards; `lvf` "
-        "is ours (the four guards of the ablation below on). Means over the seeds, spreads (max − min) in points. "
-        f"Thresholds that are ours, not the paper's: a lead counts from {LEAD:g} points and beyond the spread; TBT is "
-        f"comparable within {TBT_TIE:g} points or the spread; a severe TBT cost is {SEVERE:g} points or more.",
-        "",
-        *table,
-        "",
-        pressure_note(res),
-        "",
-        *verdicts(ok, list(workloads)),
-        *calibration(res),
-        *ablation_section(res),
-        *baselines_section(res),
-    ]
-    L += fig16_section("Fig. 16 — the paper's workload: ShareGPT single turns", res["fig16"], "req/s", "fig16")
-    L += pressure_arithmetic(st, res["fig16"], res["fig16_lmsys"])
-    L += fig16_section("Fig. 16 — LMSYS-Chat-1M's length mix (synthetic)", res["fig16_lmsys"], "req/s")
-    L += fig16_section("Fig. 16 — ShareGPT conversations (ours)", res["fig16_conv"], conv_unit, "fig16_conv")
-    L += [tier.render(res["tier"])] if res.get("tier") else []
-    L += render_rest(res)
-    L += simlive.markdown(simlive_runs)
-    return "\n".join(L)
+def sel(rows: list[dict], **kw) -> list[dict]:
+    return [r for r in rows if all(r.get(k) == v for k, v in kw.items())]
 
 
-def pressure_note(res: dict) -> str:
-    """Whether each workload put the KV-cache under pressure (any preemption), from the rows."""
-    parts = []
-    for wl, key in (("ShareGPT", "fig16"), ("LMSYS mix", "fig16_lmsys"), ("conversations", "fig16_conv")):
-        n = sum(r["num_preemptions"] for r in res[key])
-        parts.append(f"{wl} {n:.0f}")
-    return (
-        "Memory pressure behind these rows — preemptions summed over every policy and rate (means over the seeds): "
-        + ", ".join(parts)
-        + ". Where that is 0 the KV-cache never filled, the policies differ only in how they chunk prefills, and a "
-        "claim about memory pressure is not tested there."
-    )
+def one(rows: list[dict], **kw) -> dict | None:
+    found = sel(rows, **kw)
+    return found[0] if found else None
 
 
-def _duplex(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r["transfer_mode"] == "duplex" or r["policy"] in LVFS]
+def sp(r: dict, k: str) -> float:
+    return 100 * r.get(f"{k}_spread", 0.0)
 
 
-def generated(st: dict) -> str:
-    """How the rows were made: one pass, or a pass and a `--rerun` of some policies or workloads;
-    the CPU time, and what it makes on two idle cores (the machine was shared)."""
-    cpu = st.get("cpu_seconds")
-    first = f"{st['seconds']:.0f} s ({st['num_runs']} simulated runs" + (f", {cpu:.0f} CPU-seconds" if cpu else "") + ")"
-    rerun = st.get("rerun")
-    if not rerun:
-        idle = f"; about {cpu / 2:.0f} s on two idle cores" if cpu else ""
-        return f"Generated by `superinfer bench reproduce` in {first} on a machine shared with other work{idle}"
-    cpu2 = rerun.get("cpu_seconds")
-    total = f"; both passes together {cpu + cpu2:.0f} CPU-seconds, at most {(cpu + cpu2) / 2:.0f} s on two idle cores" if cpu and cpu2 else ""  # fmt: skip
-    return (
-        f"Generated by `superinfer bench reproduce` in two passes on a machine shared with other work: a first pass in "
-        f"{first}, then `--rerun {','.join(rerun['policies'])}` in {rerun['seconds']:.0f} s ({rerun['num_runs']} runs"
-        + (f", {cpu2:.0f} CPU-seconds" if cpu2 else "")
-        + "), which ran those policies' rows (and every row of a workload named) again with the code and sizes of "
-        "this page, the other rows kept from the first pass" + total
-    )
+def cell(r: dict | None, k: str) -> str:
+    if r is None or r.get(k) is None:
+        return "—"
+    return f"{pct(r[k])} ({sp(r, k):.1f})" if r.get("seeds", 1) > 1 else pct(r[k])
 
 
-def header(st: dict) -> list[str]:
-    hw, m, w, cfg = st["hardware"], st["model"], st["workload"], st["scheduler"]
-    lm = st["lmsys"]
-    return [
-        "# SuperInfer's experiments, reproduced in the simulator",
-        "",
-        generated(st) + "; every "
-        "number below comes from these runs (rows: `bench/results/reproduction.json`, one CSV per figure; plots: "
-        "`bench/figures/*.png`). Regenerate it rather than edit it.",
-        "",
-        "The simulator (`superinfer bench sim`) drives the scheduler core the live service runs — the same "
-        "`SchedulerCore`, policies and block manager — on a virtual clock. Its worker is a cost model "
-        "(`bench/sim/costmodel.py`): a roofline step time from the model's shape and the GPU's compute and HBM "
-        "bandwidth, and copy times from the link's segment-size curve, the transfer mode and the duplex cap.",
-        "",
-        "## Setting",
-        "",
-        f"- **Model** {m['name']} ({m['params_b']:.1f} B parameters, bf16; KV block of {cfg['block_size']} tokens = "
-        f"{m['block_mib']:g} MiB).",
-        f"- **Hardware** `{hw['name']}`, calibrated to the paper's per-step model time (below): {hw['tflops']:g} TFLOP/s "
-        f"bf16 dense at an assumed {hw['compute_efficiency']:g} efficiency, {hw['hbm_tbs']:g} TB/s HBM at an assumed "
-        f"{hw['hbm_efficiency']:g}, an assumed {hw['step_overhead_ms']:g} ms fixed per step; {hw['hbm_gb']:g} GB HBM at "
-        f"{hw['mem_utilization']:g} utilization minus the weights = **{st['num_hbm_blocks']} HBM blocks** "
-        f"({st['num_hbm_blocks'] * cfg['block_size'] / 1000:.1f} k tokens); {_dram(hw)} = {st['num_dram_blocks']} DRAM "
-        f"blocks. Link: {hw['link_gbs']:g} GB/s per direction at >= 8 MB segments, {hw['link_gbs_64k']:.1f} GB/s at "
-        f"64 KB, {hw['dram_gbs']:g} GB/s DRAM both ways (x{hw['duplex_efficiency']:g} reached, the paper's Table 1).",
-        f"- **Workloads** (1) the paper's: ShareGPT, {w['num_requests']} requests sampled as vLLM's benchmark samples "
-        f"them (mean {w['mean_prompt_tokens']:.0f} prompt / {w['mean_output_tokens']:.0f} output tokens, counted with "
-        "the bundled SmolLM2 tokenizer), Poisson arrivals; (2) LMSYS-Chat-1M's length mix, synthetic (the data set "
-        "does not ship with us): its published means, 69.5 prompt and 214.5 response tokens per turn (Zheng et al., "
-        f"2023, arXiv 2309.11998, Table 1), lognormal lengths with σ {lm['spec']['spread']:g} (ours), here "
-        f"{lm['mean_prompt_tokens']:.0f} / {lm['mean_output_tokens']:.0f}; (3) ours: " + conversations_setting(st)
-        + f" Seeds {', '.join(str(x) for x in st['seeds'])} (each its own sample and arrivals).",
-        f"- **Scheduler** chunked prefill {cfg['max_batched_tokens']} tokens and {cfg['max_num_seqs']} requests per "
-        f"step (vLLM V1's defaults on a >= 70 GiB GPU), B_xfer {cfg['xfer_budget']}, α {cfg['alpha']:g}, β_F "
-        f"{cfg['beta_f']:g}, β_B {cfg['beta_b']:g}; SLOs TTFT {cfg['ttft_slo']:g} s, TBT {cfg['tbt_slo'] * 1e3:g} ms. "
-        f"`lvf`'s guards: `min_residency_s` {cfg['min_residency_s']:g} s, `admit_watermark` {cfg['admit_watermark']:g}, "
-        f"`rotary_yields` on, `slo_chunking` {'on' if cfg.get('slo_chunking') else 'off'}; `lvf-paper` has none. "
-        + _scheduling(st),
-        "- **Metrics** as `bench serve` computes them (`bench/report/metrics.py`): TTFT attainment = requests with "
-        f"TTFT <= {cfg['ttft_slo']:g} s; TBT attainment = token gaps <= {cfg['tbt_slo'] * 1e3:g} ms over all gaps.",
-        "",
-    ]
+def label(p: str) -> str:
+    return f"**{name(p)}**" if p in SUPERINFER else name(p)
 
 
-def calibration(res: dict) -> list[str]:
-    """The per-step figures of both LVFs beside the paper's, at every ShareGPT rate and on the
-    conversations' top rate; and the efficiencies assumed."""
-    hw = res["setting"]["hardware"]
-    L = [
-        "## The paper's operating point: per-step figures (Qwen2.5-32B, GH200)",
-        "",
-        f"The efficiencies are assumed, not measured: compute {hw['compute_efficiency']:g} of the bf16 peak, HBM "
-        f"{hw['hbm_efficiency']:g} of its bandwidth, {hw['step_overhead_ms']:g} ms fixed per step (`bench/profiles/"
-        "gh200.json`), chosen so that the simulated mean model time per step lands within 15% of the paper's 69.8 ms "
-        "on ShareGPT where the batch is large: the calibration's own runs, 1000 ShareGPT requests a seed at "
-        f"{_rates(res.get('calibration', []))} req/s (the first rows); the mean grows with the batch, so the lighter runs "
-        f"of the figures give less. {hw['mem_utilization']:g} of HBM for weights and KV (vLLM's default `gpu_memory_utilization`, also "
-        f"assumed). The link's figures are the paper's (Table 1: {hw['link_gbs']:g} GB/s per direction, "
-        f"x{hw['duplex_efficiency']:g} of the {hw['dram_gbs']:g} GB/s DRAM both ways). Scheduling is our core's "
-        "`schedule()` timed on this CPU (overlapped with compute), not calibrated. A figure within 15% of the "
-        "paper's is marked ✓.",
-        "",
-        "| workload | rate | LVF | scheduling ms p50 / p99 (paper 7.6) | copies ms (paper 15.8) | model ms (paper 69.8) |",
-        "|---|---:|---|---:|---:|---:|",
-    ]
-    mark = lambda v, p: f"{v:.1f}" + (" ✓" if abs(v - p) <= CALIBRATION_TOLERANCE * p else "")  # noqa: E731
-    conv = _duplex(res["fig16_conv"])
-    top = max(r["rate"] for r in conv)
-    runs = (("ShareGPT, 1000 requests", res.get("calibration", []), None), ("ShareGPT", res["fig16"], None),
-            ("conversations", conv, [top]))  # fmt: skip
-    for wl, rows, rates in runs:
-        for r in sorted((r for r in rows if r["policy"] in LVFS), key=lambda r: (r["rate"], r["policy"])):
-            if rates and r["rate"] not in rates:
+# ---------------------------------------------------------------- verdicts
+
+
+def pressured(rows: list[dict]) -> bool:
+    """Whether memory pressure arose: some policy preempted at some rate."""
+    return any(r.get("num_preemptions", 0) > 0 for r in rows)
+
+
+def ttft_lead(rows: list[dict], sys: str) -> dict:
+    """`sys` against the baselines on one workload's rows: the largest lead over any baseline as
+    the paper states it ("up to"), and over vLLM V1 beyond the spread (our threshold)."""
+    best = {"up_to": -1e9, "vs_vllm": -1e9}
+    for r in sel(rows, policy=sys):
+        rate = r["rate"]
+        for b in sel(rows, rate=rate):
+            if b["policy"] in SUPERINFER:
                 continue
-            L.append(
-                f"| {wl} | {r['rate']:g} | {r['policy']} | {r['sched_wall_ms_p50']:.2f} / {r['sched_wall_ms_p99']:.2f} | "
-                f"{mark(r['xfer_ms_mean'], PAPER_STEP['transfer_ms'])} | {mark(r['compute_ms_mean'], PAPER_STEP['model_ms'])} |"
+            d = 100 * (r["ttft_attainment"] - b["ttft_attainment"])
+            if d > best["up_to"]:
+                best.update(up_to=d, up_to_at=rate, up_to_over=b["policy"])
+            if b["policy"] == "fcfs":
+                margin = d - max(sp(r, "ttft_attainment"), sp(b, "ttft_attainment"))
+                if margin > best["vs_vllm"]:
+                    best.update(vs_vllm=d, vs_vllm_margin=margin, vs_vllm_at=rate)
+    return best
+
+
+def tbt_worst(rows: list[dict], sys: str) -> tuple[float, str, float]:
+    """Points by which `sys`'s TBT attainment trails the best of COMPARED_TBT at its worst rate
+    (beyond the spread), with the baseline and rate."""
+    worst = (-1e9, "", 0.0)
+    for r in sel(rows, policy=sys):
+        for b in sel(rows, rate=r["rate"]):
+            if b["policy"] in COMPARED_TBT:
+                d = 100 * (b["tbt_attainment"] - r["tbt_attainment"]) - max(sp(r, "tbt_attainment"), sp(b, "tbt_attainment"))
+                worst = max(worst, (d, b["policy"], r["rate"]))
+    return worst
+
+
+def combine(ok: dict[str, bool]) -> str:
+    if any(ok.get(p) for p in PAPERS):
+        return HOLDS
+    return OURS if ok.get("lvf") else FAILS
+
+
+def fig16_claims(res: dict) -> list[list[str]]:
+    out = []
+    for (model, ds), rows in workloads(res).items():
+        where = f"{model}, {ds}"
+        here = [s for s in SUPERINFER if sel(rows, policy=s)]
+        if not pressured(rows):
+            out.append(["Fig. 16: TTFT attainment up to 74.7 points above the baselines", where, "no policy preempted", UNTESTED])
+            continue
+        ok, parts = {}, []
+        for s in here:
+            L = ttft_lead(rows, s)
+            ok[s] = L["vs_vllm_margin"] >= LEAD if "vs_vllm_margin" in L else False
+            parts.append(
+                f"{name(s)}: up to {L['up_to']:+.1f} (over {name(L.get('up_to_over', '?'))} at {L.get('up_to_at', 0):g}); "
+                f"vs vLLM V1 {L['vs_vllm']:+.1f} at {L.get('vs_vllm_at', 0):g}"
             )
-    rows = [r for rs in (res.get("calibration", []), res["fig16"], conv) for r in rs if r["policy"] in LVFS]
-    model = [r["compute_ms_mean"] for r in rows]
-    near = [r for r in rows if abs(r["compute_ms_mean"] - PAPER_STEP["model_ms"]) <= CALIBRATION_TOLERANCE * PAPER_STEP["model_ms"]]
+        out.append(["Fig. 16: TTFT attainment up to 74.7 points above the baselines", where, "; ".join(parts), combine(ok)])
+        ok, parts = {}, []
+        for s in here:
+            d, b, rate = tbt_worst(rows, s)
+            ok[s] = d <= TBT_TIE
+            parts.append(f"{name(s)}: at worst {d:.1f} below {name(b)} at {rate:g}")
+        out.append(["Fig. 16: TBT comparable to vLLM, TensorRT-LLM, LightLLM, NEO", where, "; ".join(parts), combine(ok)])
+        top = max(r["rate"] for r in rows)
+        at_top = sel(rows, rate=top)
+        ltr = one(at_top, policy="ltr")
+        if ltr:
+            best = max(at_top, key=lambda r: r["ttft_attainment"])
+            others = [r["tbt_attainment"] for r in at_top if r["policy"] in SUPERINFER]
+            cost = 100 * (max(others) - ltr["tbt_attainment"]) if others else 0.0
+            v = HOLDS if best["policy"] == "ltr" and cost >= SEVERE else FAILS
+            txt = f"at {top:g}: best TTFT {name(best['policy'])} {pct(best['ttft_attainment'])}; LTR {pct(ltr['ttft_attainment'])}, TBT {cost:+.1f} below SuperInfer's best"
+            out.append(["Fig. 16: LTR has the best TTFT at a severe TBT cost", where, txt, v])
+    return out
+
+
+def throughput_claim(res: dict) -> list[list[str]]:
+    out = []
+    for (model, ds), rows in workloads(res).items():
+        if not pressured(rows):
+            out.append(["Fig. 23: throughput up to +29.2% over the baselines", f"{model}, {ds}", "no policy preempted", UNTESTED])
+            continue
+        ok, parts = {}, []
+        for s in (s for s in SUPERINFER if sel(rows, policy=s)):
+            up, vs = -1e9, -1e9
+            for r in sel(rows, policy=s):
+                for b in sel(rows, rate=r["rate"]):
+                    if b["policy"] not in SUPERINFER and b["throughput_tok_s"]:
+                        g = 100 * (r["throughput_tok_s"] / b["throughput_tok_s"] - 1)
+                        up = max(up, g)
+                        vs = max(vs, g) if b["policy"] == "fcfs" else vs
+            ok[s] = vs >= LEAD
+            parts.append(f"{name(s)}: up to {up:+.1f}%, vs vLLM V1 {vs:+.1f}%")
+        out.append(["Fig. 23: throughput up to +29.2% over the baselines", f"{model}, {ds}", "; ".join(parts), combine(ok)])
+    return out
+
+
+def fig1_claim(res: dict) -> list[str]:
+    rows = res["fig1"]
+    wf, sf = one(rows, policy="wf"), one(rows, policy="sf")
+    where = "Qwen2.5-32B, ShareGPT, top rate"
+    if not (wf and sf) or not pressured([wf, sf]):
+        return ["Fig. 1: WF better TTFT, SF better TBT (a trade-off)", where, "no preemption", UNTESTED]
+    d_ttft = 100 * (wf["ttft_attainment"] - sf["ttft_attainment"])
+    d_tbt = 100 * (sf["tbt_attainment"] - wf["tbt_attainment"])
+    v = HOLDS if d_ttft > 1 and d_tbt > 1 else FAILS
+    return ["Fig. 1: WF better TTFT, SF better TBT (a trade-off)", where, f"WF − SF: TTFT {d_ttft:+.1f}, TBT {-d_tbt:+.1f} points", v]
+
+
+def fig17_claim(res: dict) -> list[str]:
+    rows, parts, ok = res["fig17"], [], {}
+    for p in ("lvf-paper", "lvf"):
+        duplex = one(rows, policy=p, transfer_mode="duplex")
+        drops = [100 * (duplex["tbt_attainment"] - r["tbt_attainment"]) for r in sel(rows, policy=p, transfer_mode="vllm")]
+        if duplex and drops:
+            ok[p] = min(drops) >= SEVERE
+            parts.append(f"{name(p)}: TBT {min(drops):.1f}–{max(drops):.1f} points below DuplexKV")
+    where = "Qwen2.5-32B, ShareGPT, top rate, B_xfer 300 and 2400"
+    if not pressured(rows):
+        return ["Fig. 17: RotaSched on vLLM's swap path: TBT collapses", where, "no preemption", UNTESTED]
+    v = HOLDS if ok.get("lvf-paper") else (OURS if ok.get("lvf") else FAILS)
+    return ["Fig. 17: RotaSched on vLLM's swap path: TBT collapses", where, "; ".join(parts), v]
+
+
+SWEEP_CLAIMS = {  # knob: (the paper's claim, the attainment it moves, the direction as the knob grows)
+    "beta_f": ("Fig. 19: raising β_F lowers TTFT attainment", "ttft_attainment", -1),
+    "beta_b": ("Fig. 20: raising β_B lowers TBT attainment", "tbt_attainment", -1),
+    "alpha": ("Fig. 18: raising α favours paused requests (TBT attainment up)", "tbt_attainment", 1),
+    "xfer_budget": ("Fig. 21: a larger B_xfer rotates more (TTFT attainment up)", "ttft_attainment", 1),
+}
+
+
+def sweep_claims(res: dict) -> list[list[str]]:
+    out = []
+    for knob, (claim, key, sign) in SWEEP_CLAIMS.items():
+        rows = res["knobs"].get(knob, [])
+        where = "Qwen2.5-32B, ShareGPT, top rate, 1 seed"
+        if not pressured(rows):
+            out.append([claim, where, "no preemption", UNTESTED])
+            continue
+        ok, parts = {}, []
+        for p in ("lvf-paper", "lvf"):
+            rs = sorted(sel(rows, policy=p), key=lambda r: r[knob])
+            if len(rs) < 2:
+                continue
+            d = 100 * (rs[-1][key] - rs[0][key])
+            ok[p] = sign * d > 1.0
+            parts.append(f"{name(p)}: {d:+.1f} points from {rs[0][knob]:g} to {rs[-1][knob]:g}")
+        v = HOLDS if ok.get("lvf-paper") else (OURS if ok.get("lvf") else FAILS)
+        out.append([claim, where, "; ".join(parts), v])
+    return out
+
+
+def claims(res: dict) -> list[list[str]]:
+    st = res["setting"]
+    out = fig16_claims(res) + [fig1_claim(res), fig17_claim(res)] + sweep_claims(res)
+    out.append(["Fig. 22: the gains hold with TP=2", "—", "the simulator models one GPU per model (no tensor parallelism)", "not tested (no TP model)"])
+    out += throughput_claim(res)
+    cal = calibration_rows(res)
+    ms = "; ".join(f"{r['rate']:g} req/s {r['compute_ms_mean']:.1f} ms" for r in cal)
+    out.append(["Per-step model time 69.8 ms", "Qwen2.5-32B, ShareGPT", f"vLLM V1: {ms} (fitted: compute {st['hardware']['compute_efficiency']:g}, HBM {st['hardware']['hbm_efficiency']:g})", CIRCULAR])
+    out.append(["Table 1: DuplexKV 181+179 GB/s, 46.8 ms for 16 GB", "gh200 profile", "the link's curve and duplex efficiency are the paper's figures", CIRCULAR])
+    return out
+
+
+# ---------------------------------------------------------------- sections
+
+
+def workloads(res: dict) -> dict[tuple[str, str], list[dict]]:
+    """(model, dataset) -> the Fig. 16 rows with the policy-agnostic knobs off (the headline)."""
+    out: dict = {}
+    for r in res["fig16"]:
+        if r["knobs"] == "off":
+            out.setdefault((r["model"], r["dataset"]), []).append(r)
+    return out
+
+
+def calibration_rows(res: dict) -> list[dict]:
+    rows = sel(res["fig16"], model="Qwen2.5-32B", dataset="sharegpt", knobs="off", policy="fcfs")
+    return sorted(rows, key=lambda r: r["rate"])
+
+
+def table(head: list[str], rows: list[list[str]], align: str = "---") -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "|".join([align] * len(head)) + "|", *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def claims_section(res: dict) -> list[str]:
     return [
-        *L,
+        "## Claims and verdicts",
         "",
-        f"Model time per step in this run: {min(model):.1f}–{max(model):.1f} ms over both LVFs' rows; within 15% of "
-        f"69.8 ms: {len(near)} of {len(rows)} ("
-        + (", ".join(f"{r['policy']} at {r['rate']:g}/s" for r in near) or "none")
-        + "). The copies do not match the paper's 15.8 ms: they are the rotation volume, and on ShareGPT's single "
-        "turns nothing rotates (the arithmetic below); on the conversations eager rotation moves a paused request's "
-        "synced blocks ahead of time, so a preemption copies only its last, partly filled block.",
+        f"Verdicts: {', '.join(VERDICTS)}. A claim holds when the authors' code (`superinfer-artifact`) or the paper's "
+        "LVF as its text defines it (`lvf-paper`) meets it; \"only with our additions\" when only `lvf` (our guards on) "
+        f"does. Our thresholds: a TTFT lead counts from {LEAD:g} points over vLLM V1 beyond the seeds' spread; TBT is "
+        f"comparable within {TBT_TIE:g} points beyond the spread; a severe TBT cost is {SEVERE:g} points; a throughput "
+        f"gain counts from +{LEAD:g}%. \"Up to\" figures are computed as the paper states them: the largest gap over any "
+        f"baseline at any tested rate (paper: {PAPER_LEAD} points, +{PAPER_THROUGHPUT}%).",
+        "",
+        *table(["paper's claim", "where", "ours", "verdict"], claims(res)),
         "",
     ]
 
 
-def _rates(rows: list[dict]) -> str:
-    return " and ".join(f"{r:g}" for r in sorted({r["rate"] for r in rows})) or "—"
+def setting_section(res: dict) -> list[str]:
+    st = res["setting"]
+    hw, sg, lm = st["hardware"], st["sharegpt"], st["lmsys"]
+    rates = "; ".join(f"{k} {', '.join(f'{r:g}' for r in v)}" for k, v in st["rates"].items())
+    every = "; ".join(f"{k} {', '.join(f'{r:g}' for r in v)}" for k, v in st["artifact_rates"].items())
+    sched = st["scheduler"]
+    took = f"{st['seconds'] / 60:.1f} min wall ({st['cpu_seconds'] / 60:.0f} CPU-min, {st['jobs']} processes, {st['num_runs']} runs)"
+    mode = "`--full`: every rate, three models" if st["full"] else "default: Qwen2.5-32B, the artifact's lowest and two highest rates"
+    return [
+        "## Setting, and every deviation from the authors' harness",
+        "",
+        f"Generated by `superinfer bench reproduce`{' --full' if st['full'] else ''} ({mode}) in {took}, "
+        f"seeds {', '.join(map(str, st['seeds']))}. Rates run: {rates}. The artifact's rates: {every}.",
+        "",
+        "As the authors' harness (`AE_AIO_0309_v1.py`, `benchmarks/superinfer/sampler.py`): Poisson arrivals for "
+        f"{st['duration_s']:g} s; outputs at their own length up to 8,192 tokens with `ignore_eos`; "
+        f"`--max-num-seqs {sched['max_num_seqs']} --max-num-batched-tokens {sched['max_batched_tokens']}`; "
+        f"{hw['kv_dram_gb']:g} GB of host DRAM for KV; B_xfer {sched['xfer_budget']} blocks; SLOs TTFT "
+        f"{st['slos'][0]:g} s, TBT {1e3 * st['slos'][1]:g} ms; VLT constants α={sched['alpha']:g}, β_F={sched['beta_f']:g}, "
+        f"β_B={sched['beta_b']:g}.",
+        "",
+        "Deviations:",
+        "",
+        f"- **Hardware is simulated**: the scheduler core that serves, on a cost-model GH200 (the `gh200` profile, "
+        f"{hw['tflops']:g} TFLOP/s × {hw['compute_efficiency']:g}, {hw['hbm_tbs']:g} TB/s × {hw['hbm_efficiency']:g}, "
+        f"{hw['step_overhead_ms']:g} ms fixed per step, {hw['hbm_gb']:g} GB HBM; link ~{hw['link_gbs']:g} GB/s a direction, "
+        f"{hw['dram_gbs']:g} GB/s both). The efficiencies are fitted so that vLLM V1's mean model time per step at the "
+        "top ShareGPT rate is the paper's 69.8 ms and the paper's rates span light load to saturation (table below): "
+        "the per-step time is therefore circular, not a result. Scheduling is our core's own, timed on this CPU.",
+        f"- **ShareGPT outputs are ShareGPT's own answers**, not Llama-3-8B's generations (the harness replays "
+        "`llama3-8b-sharegpt-test-t1-s0-8192.jsonl`, which we do not have). First turns, shuffled per seed; pairs "
+        f"beyond a 32k context dropped. Pool mean {sg['mean_prompt_tokens']:.0f} prompt / {sg['mean_output_tokens']:.0f} "
+        f"output tokens, longest output {sg['max_output_tokens']}, {100 * sg['share_over_2048']:.1f}% of pairs past vLLM's "
+        "2,048 cap (kept). Counted with our tokenizer (SmolLM2's), not each model's.",
+        f"- **LMSYS is a synthetic length mix**: LMSYS-Chat-1M's published means ({lm['spec']['input_len']} prompt / "
+        f"{lm['spec']['output_len']} output tokens), lognormal σ={lm['spec']['spread']:g}; the data set does not ship with us.",
+        "- **Baselines are models of their code** (appendix), not the systems themselves; NEO is vLLM V1's scheduling with "
+        "attention offloaded to the host, and not run on the MoE model.",
+        "- **Fewer seeds for the side experiments**: the ablation, Fig. 1, Fig. 17 and Figs. 18–21 run at the ShareGPT top "
+        "rate on the first seed only (Fig. 16 and the equal-knob table: all seeds).",
+        "",
+        "Calibration check (vLLM V1 on ShareGPT, Qwen2.5-32B): TTFT attainment and model time per step by rate.",
+        "",
+        *table(
+            ["rate (req/s)", "TTFT att.", "TBT att.", "output tok/s", "model ms/step (paper 69.8)", "preemptions"],
+            [
+                [f"{r['rate']:g}", cell(r, "ttft_attainment"), cell(r, "tbt_attainment"), f"{r['throughput_tok_s']:.0f}",
+                 f"{r['compute_ms_mean']:.1f}", f"{r['num_preemptions']:.0f}"]
+                for r in calibration_rows(res)
+            ],
+        ),  # fmt: skip
+        "",
+    ]
+
+
+def pressured_table(rows: list[dict]) -> list[str]:
+    body = []
+    for r in sorted(rows, key=lambda r: (r["rate"], FIG16_ORDER.index(r["policy"]) if r["policy"] in FIG16_ORDER else 99)):
+        body.append([
+            f"{r['rate']:g}", label(r["policy"]), cell(r, "ttft_attainment"), cell(r, "tbt_attainment"),
+            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['tbt_p99_ms']:.0f}", f"{r['throughput_tok_s']:.0f}",
+            f"{r['num_preemptions']:.0f} ({r.get('num_preemptions_min', r['num_preemptions']):.0f})",
+        ])  # fmt: skip
+    head = ["req/s", "policy", "TTFT att. (spread)", "TBT att. (spread)", "TTFT p50 / p99 ms", "TBT p99 ms", "tok/s", "preempt. mean (min)"]
+    return table(head, body)
+
+
+FIG16_ORDER = ("superinfer-artifact", "lvf-paper", "lvf", "fcfs", "trtllm", "lightllm", "ltr", "neo")
+
+
+def results_section(res: dict) -> list[str]:
+    out = [
+        "## Pressured results (Fig. 16)",
+        "",
+        "Means over the seeds; spreads (max − min) in points; preemptions: mean (fewest on any seed). The policy-agnostic "
+        "knobs (admission watermark, prefill cap for the TBT SLO) are off for every policy here; `lvf` keeps LVF's own two "
+        "guards (minimum residency, rotary requests yield). The equal-knob table below turns them on for every policy.",
+        "",
+    ]
+    for (model, ds), rows in workloads(res).items():
+        rates = sorted({r["rate"] for r in rows})
+        out += [f"### {model}, {ds} (req/s; figure: TTFT and TBT attainment at every rate run)", ""]
+        out += pressured_table([r for r in rows if r["rate"] in rates[-2:]])
+        out += ["", f"![{model} {ds}]({FIGURES}/fig16_{slug(model)}_{ds}.png)", ""]
+    on = [r for r in res["fig16"] if r["knobs"] == "on"]
+    if on:
+        top = on[0]["rate"]
+        off = [r for r in res["fig16"] if r["knobs"] == "off" and r["rate"] == top and r["model"] == on[0]["model"] and r["dataset"] == on[0]["dataset"]]
+        body = []
+        for p in FIG16_ORDER:
+            a, b = one(off, policy=p), one(on, policy=p)
+            if a or b:
+                body.append([label(p), cell(a, "ttft_attainment"), cell(a, "tbt_attainment"), cell(b, "ttft_attainment"), cell(b, "tbt_attainment")])
+        out += [
+            f"### Equal knobs: all off vs all on ({on[0]['model']}, {on[0]['dataset']}, {top:g} req/s)",
+            "",
+            "On: admission watermark 0.25 of HBM and the prefill cap for the TBT SLO, for every policy (`lvf-paper` with "
+            "them is lvf with its own two guards off).",
+            "",
+            *table(["policy", "TTFT att., off", "TBT att., off", "TTFT att., on", "TBT att., on"], body),
+            "",
+        ]
+    return out
+
+
+def variant_table(rows: list[dict]) -> list[str]:
+    body = [
+        [r["variant"], cell(r, "ttft_attainment"), cell(r, "tbt_attainment"), f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}",
+         f"{r['tbt_p99_ms']:.0f}", f"{r['throughput_tok_s']:.0f}", f"{r['num_preemptions']:.0f}", f"{r.get('xfer_ms_mean', 0):.1f}"]
+        for r in rows
+    ]  # fmt: skip
+    return table(["variant", "TTFT att.", "TBT att.", "TTFT p50 / p99 ms", "TBT p99 ms", "tok/s", "preempt.", "copy ms/step"], body)
 
 
 def ablation_section(res: dict) -> list[str]:
-    L = [
-        "## The guard ablation: what the VLT ordering earns alone, and what each guard of ours adds",
+    abl = res["ablation"]
+    rate = abl[0]["rate"] if abl else 0
+    out = [
+        f"## Ablations (Qwen2.5-32B, ShareGPT, {rate:g} req/s, first seed)",
         "",
-        "Each guard alone added to `lvf-paper` (that is `lvf` with the other three off), then all four (`lvf`); the "
-        "two that work with any policy (`admit_watermark` 0.25, and `slo_chunking`, the prefill cap for the TBT SLO) "
-        "also given to vllm-v1 and wf. The row `lvf-paper` against `vllm-v1` is what the VLT ordering earns by itself.",
+        "LVF's guards one at a time onto `lvf-paper`, and each one left out of `lvf` (all four on).",
+        "",
+        *variant_table(abl),
+        "",
+        "### Fig. 1: WF vs SF on vLLM's swap path, and vLLM V1 (recompute)",
+        "",
+        *variant_table(res["fig1"]),
+        "",
+        "### Fig. 17: both LVFs on vLLM's swap path (B_xfer 300 and 2400) vs DuplexKV",
+        "",
+        *variant_table(res["fig17"]),
+        "",
+        "### Figs. 18–21: α, β_F, β_B, B_xfer (both LVFs)",
         "",
     ]
-    for key, unit in (("ablation_conv", "conversations/s"), ("ablation", "req/s")):
-        rows = res[key]
-        wl = "ShareGPT conversations" if key == "ablation_conv" else "ShareGPT single turns"
-        L += [
-            f"**{wl}, {rows[0]['rate']:g} {unit}** (`cached`: prompt tokens found in the prefix cache)",
-            "",
-            *detail_table(rows, "variant", lambda r: r["variant"], cached=key == "ablation_conv", spread=True),
-            "",
-            ablation_summary(rows, unit),
-            "",
+    for knob, rows in res["knobs"].items():
+        body = [
+            [name(r["policy"]), f"{r[knob]:g}", pct(r["ttft_attainment"]), pct(r["tbt_attainment"]), f"{r['num_preemptions']:.0f}"]
+            for r in sorted(rows, key=lambda r: (r["policy"], r[knob]))
         ]
-    return L
+        out += [f"**{knob}**", "", *table(["policy", knob, "TTFT att.", "TBT att.", "preempt."], body), ""]
+    out += [f"![knob sweeps]({FIGURES}/knobs.png)", ""]
+    return out
 
 
-def baselines_section(res: dict) -> list[str]:
-    """The baselines as the real systems run them, each checked against the real project's code
-    (bench/report/baselines_table.py)."""
-    st = res["setting"]
-    present = tuple(dict.fromkeys(r["policy"] for r in res["fig16"] if r["policy"] in BASELINES))
-    return [
-        "## The baselines, as the real systems run them",
+def appendix(res: dict) -> list[str]:
+    t1 = [[r["mode"], f"{r['ms']:.1f}", f"{r['gbs_total']:.0f}", PAPER_TABLE1.get(r["mode"], "")] for r in res["table1"]]
+    out = ["## Appendix", ""]
+    if OPEN_CHOICES.is_file():
+        out += [OPEN_CHOICES.read_text().rstrip(), ""]
+    out += simlive.markdown(res.get("simlive", []))
+    out += [
+        "### Table 1: 16 GB moved on the gh200 profile (circular: the profile holds the paper's link figures)",
         "",
-        "Each is a policy on the same scheduler core (`services/scheduler/core/baselines.py`, `ltr.py`, `fcfs.py`) "
-        "and cost model (NEO's host attention and copies, `bench/sim/costmodel.py`): the systems' admission and "
-        "preemption rules, read from their code at the commit named, on our engine and block pools. Requests end at "
-        f"their true length with a stop token; the clients' `max_tokens` is {st['max_tokens']} (a chat client's cap) "
-        "except where the table says a benchmark client sends each request's own output length.",
+        *table(["mode", "ms", "GB/s both ways", "paper"], t1),
         "",
-        baselines_table.markdown(present).rstrip("\n"),
+        f"Per-step costs, paper: schedule {PAPER_STEP['schedule_ms']} ms, transfer {PAPER_STEP['transfer_ms']} ms, model "
+        f"{PAPER_STEP['model_ms']} ms.",
+        "",
+        "### The baselines as we model them",
+        "",
+        baselines_table.markdown(tuple(p for p in FIG16_ORDER if p not in SUPERINFER)).rstrip(),
         "",
     ]
+    return out
 
 
-def fig16_section(title: str, rows: list[dict], unit: str, png: str | None = None) -> list[str]:
-    L = [f"## {title}", "", "TTFT / TBT attainment, spread in parentheses; `(vllm)`: on vLLM's swap path.", ""]
-    L += [*attainment_table(rows, policy_label, unit), ""]
-    top = max(r["rate"] for r in rows)
-    L += [f"At {top:g} {unit}:", "", *detail_table([r for r in rows if r["rate"] == top], "policy", policy_label), ""]
-    return L + ([f"![{title}]({FIGURES}/{png}.png)", ""] if png else [])
+def slug(model: str) -> str:
+    return model.lower().replace(".", "").replace("-", "")
 
 
-def render_rest(res: dict) -> list[str]:
-    """Fig. 1, Fig. 17, Figs. 18-21 and Table 1."""
-    from bench.report.rows import fig1_rows
-
-    f1 = fig1_rows(res)
-    top = f1[0]["rate"]
-    abl = lambda r: f"{r['policy']} {r['transfer_mode']} B_xfer={r['xfer_budget']}"  # noqa: E731
-    L = [
-        f"## Fig. 1 — WF vs SF (conversations at {top:g}/s, vLLM's swap path)",
+def render(res: dict) -> str:
+    """The Markdown from the compact rows (the simulator-vs-live runs among them)."""
+    lines = [
+        "# Reproducing SuperInfer (MLSys 2026) in the authors' regime",
         "",
-        "Paper: waiting-first gets better TTFT but worse TBT; swapped-first keeps TBT steady with TTFT close to FCFS.",
+        "Regenerated by `superinfer bench reproduce` from the rows in `bench/report/reproduction_rows.json` "
+        "(`--from-rows` renders this page from them alone). Systems: `superinfer-artifact` (the authors' released "
+        "scheduler, `vllm/v1/core/scheduler.py`), `lvf-paper` (LVF as the paper's text defines it), `lvf` (ours: "
+        "LVF plus our guards), and the paper's baselines (vLLM V1 = our fcfs, TensorRT-LLM, LightLLM, LTR, NEO).",
         "",
-        *detail_table(f1, "policy", policy_label),
-        "",
-        f"![Fig. 1]({FIGURES}/fig1_wf_vs_sf_cdf.png)",
-        "",
-        f"## Fig. 17 — both LVFs on vLLM's swap path (the paper's and a large B_xfer) vs DuplexKV (conversations, {top:g}/s)",
-        "",
-        *detail_table(res["fig17"], "variant", abl, spread=True),
-        "",
-        f"## Figs. 18–21 — α, β_F, β_B, B_xfer (both LVFs, conversations at {res['setting']['knob_rate']:g}/s, where they rotate)",
-        "",
-        "Paper: raising β_F delays waiting requests (TTFT falls); raising β_B delays paused ones (TBT falls); α weighs "
-        "paused requests that have emitted tokens against waiting ones; B_xfer bounds the blocks moved per step. A "
-        "sweep whose attainments move by no more than the seeds' spread is reported as flat, not as a result.",
-        "",
+        *claims_section(res),
+        *setting_section(res),
+        *results_section(res),
+        *ablation_section(res),
+        *appendix(res),
     ]
-    for k in ("alpha", "beta_f", "beta_b", "xfer_budget"):
-        rows = res.get(f"fig_{k}", [])
-        shown = False
-        for p in LVFS:
-            rs = [r for r in rows if r["policy"] == p]
-            if not rs:
-                continue
-            if flat(rs):
-                lo, hi = min(r[k] for r in rs), max(r[k] for r in rs)
-                L += [f"**{k}, {p}**: flat — from {k} {lo:g} to {hi:g} neither attainment moves beyond the spread "
-                      "(not a result; table in `bench/results/fig_" + k + ".csv`).", ""]  # fmt: skip
-            else:
-                shown = True
-                L += [f"**{k}, {p}**", "", *detail_table(rs, k, lambda r, k=k: f"{k}={r[k]:g}", spread=True), ""]
-        L += [f"![{k}]({FIGURES}/fig_{k}.png)", ""] if shown else []
-    t1 = res["table1"]
-    L += [
-        "## Table 1 — moving 16 GB on gh200 (8 GB each way, Qwen2.5-32B blocks)",
-        "",
-        "| mode | ours ms | ours GB/s (both ways) | paper |",
-        "|---|---:|---:|---|",
-        *[f"| {r['mode']} | {r['ms']:.1f} | {r['gbs_total']:.1f} | {PAPER_TABLE1.get(r['mode'], '')} |" for r in t1],
-        "",
-    ]
-    return L
+    return "\n".join(lines).rstrip() + "\n"

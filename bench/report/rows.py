@@ -79,6 +79,9 @@ def mean_rows(per_seed: list[list[dict]]) -> list[dict]:
         for k in SPREAD_KEYS:
             vals = [r[k] for r in runs if r[k] is not None]
             row[f"{k}_spread"] = max(vals) - min(vals) if vals else 0.0
+        vals = [r["num_preemptions"] for r in runs if "num_preemptions" in r]
+        if vals:
+            row["num_preemptions_min"] = min(vals)
         row["seeds"] = len(runs)
         out.append(row)
     return out

@@ -12,6 +12,7 @@ while the figure's last run finishes.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -32,7 +33,18 @@ SLOS = (5.0, 0.1)  # TTFT, TBT (s)
 # ShareGPT's single first turns (the paper's workload) on the calibrated gh200: its compute
 # saturates near 7 req/s (~1.4 k output tok/s), the top rate is past it.
 RATES = (2, 4, 6, 8, 12)
-MAX_TOKENS = 2048  # what the clients ask as max_tokens (a chat front-end's cap); outputs end at their true length
+MAX_TOKENS = 0  # the clients ask each output's own length with ignore_eos, as the paper's harness does
+# The paper's harness (AE_AIO_0309_v1.py): Poisson arrivals for 120 s at these rates (req/s).
+DURATION_S = 120.0
+ARTIFACT_RATES = {
+    ("qwen2.5-32b", "sharegpt"): (5, 10, 13, 15, 18, 20),
+    ("mixtral-8x7b", "sharegpt"): (5, 10, 13, 15, 18, 20),
+    ("qwen2.5-32b", "lmsys"): (10, 20, 25, 30, 35, 40),
+    ("mixtral-8x7b", "lmsys"): (10, 20, 25, 30, 35, 40),
+    ("llama3-8b", "sharegpt"): (35, 40, 45, 50, 55, 60),
+    ("llama3-8b", "lmsys"): (50, 60, 68, 75, 88, 100),
+}
+POOL_SLACK = 1.15  # a seed's pool holds this many times rate x 120 s requests (a Poisson count runs over)
 # ShareGPT conversations turn by turn, each turn's prompt the whole history (their real lengths, up
 # to a 32k context): on the paper's 144 GB the KV-cache fills before the GPU's compute does, where
 # ShareGPT's single first turns never fill it (700 a seed at 4-8 conversations/s do).
@@ -49,7 +61,7 @@ CALIBRATION_REQUESTS = 1000
 ROW_KEY = ("rate", "policy", "transfer_mode", "xfer_budget", "alpha", "beta_f", "beta_b", "admit_watermark",
            "min_residency_s", "rotary_yields", "slo_chunking", "enable_prefix_caching", "kv_offloading_size",
            "num_hbm_blocks")  # fmt: skip
-WORKLOADS = ("sharegpt", "lmsys", "conversations", "calibration")
+WORKLOADS = ("sharegpt", "lmsys", "conversations", "calibration", "a-sharegpt", "a-lmsys")  # a-: 120-s traces
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,6 +97,7 @@ class Ctx:
         self.args = args
         self.hw = load_hardware("gh200")
         self.model = MODELS["qwen2.5-32b"]
+        self.pool_rate = {"a-sharegpt": 20.0, "a-lmsys": 40.0}  # the top rate each 120-s pool serves
         self.seeds = list(range(args.seed, args.seed + args.num_seeds))
         self.num_runs = 0
         self.planning = False  # collect the jobs `run` is asked for; run them in `execute`
@@ -102,13 +115,18 @@ class Ctx:
         if wl not in self._items:
             a = self.args
             load = {
-                "sharegpt": lambda s: sweep.load_items("sharegpt", a.num_requests, s),
+                "sharegpt": lambda s: sweep.load_items("sharegpt", a.num_requests, s, vllm_filter=True),
                 "lmsys": lambda s: sweep.load_items("synthetic", a.num_requests, s, synthetic=LMSYS),
                 "conversations": lambda s: sweep.load_items("sharegpt-long", a.conversations, s, chat=CHAT),
-                "calibration": lambda s: sweep.load_items("sharegpt", CALIBRATION_REQUESTS, s),
+                "calibration": lambda s: sweep.load_items("sharegpt", CALIBRATION_REQUESTS, s, vllm_filter=True),
+                "a-sharegpt": lambda s: sweep.load_items("sharegpt", self.pool_size(wl), s),
+                "a-lmsys": lambda s: sweep.load_items("synthetic", self.pool_size(wl), s, synthetic=LMSYS),
             }[wl]
             self._items[wl] = {s: load(s) for s in self.seeds}
         return self._items[wl]
+
+    def pool_size(self, wl: str) -> int:
+        return math.ceil(POOL_SLACK * self.pool_rate[wl] * DURATION_S)
 
     def conversations(self) -> dict[int, list]:
         return self.items_for("conversations")
@@ -163,9 +181,12 @@ class Ctx:
         t0 = time.perf_counter()
         args, tags = [], []
         for wl, key, job in jobs:
-            for seed, items in self.items_for(wl).items():
+            for seed, items in list(self.items_for(wl).items())[: job.seeds or None]:
                 bare = [replace(it, prompt="") for it in items]  # the text is not simulated; keep pickles small
-                args.append((workload.draw_arrivals(bare, job.rate, 1.0, seed), job.setup, job.rate, *SLOS))
+                timed = workload.draw_arrivals(bare, job.rate, 1.0, seed)
+                if wl.startswith("a-"):  # the harness's 120-s Poisson trace
+                    timed = [it for it in timed if it.arrival_s < DURATION_S]
+                args.append((timed, job.setup, job.rate, *SLOS))
                 tags.append((key, _cost(wl, job)))
         order = sorted(range(len(args)), key=lambda i: -tags[i][1])  # the longest first
         self.num_runs += len(args)
@@ -200,7 +221,7 @@ def _cost(wl: str, job: sweep.Job) -> float:
 
 
 def row_key(wl: str, row: dict) -> str:
-    return repr((wl, *(row.get(k) for k in ROW_KEY)))
+    return repr((wl, *(row.get(k) for k in ROW_KEY), row.get("model")))
 
 
 def job_key(wl: str, job: sweep.Job) -> str:
@@ -208,7 +229,8 @@ def job_key(wl: str, job: sweep.Job) -> str:
     fields = {k: getattr(cfg, k) for k in ROW_KEY[3:-1]}
     policy = "neo" if setup.neo_host_blocks else cfg.policy
     row = {"rate": job.rate, "policy": policy, "transfer_mode": setup.transfer_mode, **fields}
-    return row_key(wl, {**row, "num_hbm_blocks": setup.num_hbm_blocks})
+    key = row_key(wl, {**row, "num_hbm_blocks": setup.num_hbm_blocks, "model": setup.model.name})
+    return key + f"/{job.seeds}" if job.seeds else key
 
 
 def reuse_rows(ctx: Ctx, record: dict, rerun: set[str], workloads: dict[str, str]) -> None:

@@ -1,14 +1,16 @@
 """`superinfer bench reproduce` (or `python -m bench.sim.reproduce`): regenerate
-bench/REPRODUCTION.md — the paper's experiments next to ours, from simulator runs of the
-scheduler core that serves, plus the cost model's transfer table.
+bench/REPRODUCTION.md and bench/figures/ — the paper's experiments in the authors' own regime
+(their artifact, AE_AIO_0309_v1.py: its rates, 120-s Poisson traces, outputs at their own
+lengths with ignore_eos, 16,384-token and 16,384-sequence budgets, 400 GB of DRAM for KV,
+B_xfer 2400), simulated on the scheduler core that serves.
 
-Every number in the Markdown comes from this run, except the last section's: the simulator
-against the live server, read from the runs `superinfer bench simlive` recorded in
-bench/results/simlive_runs.jsonl. The rows and one CSV per figure go to bench/results/, the
-plots to bench/figures/ (beside the Markdown, which shows them). The whole reproduction
-takes about 17 minutes on two idle cores (its jobs in one pool, repro_ctx.py). The Markdown is
-rendered from the rows file (reproduction.json, which records the setting too) and those
-runs alone: `--from-rows` re-renders it without running anything.
+By default: Qwen2.5-32B on the calibrated gh200, ShareGPT and LMSYS, every Fig. 16 policy, 3
+seeds, at the artifact's lowest and two highest rates; the equal-knob table (the policy-agnostic
+knobs on for every policy) at the ShareGPT top rate on 3 seeds; the guard ablation, Fig. 1,
+Fig. 17 and the knob sweeps (Figs. 18-21) at the ShareGPT top rate on the first seed. `--full`:
+every rate, and Llama-3-8B and Mixtral-8x7B too. All runs go to one pool of processes
+(repro_ctx.py). The rows the page cites are kept in git, compact (ROWS, beside the renderer);
+one CSV per figure goes to bench/results/. `--from-rows` re-renders the page from ROWS alone.
 """
 
 from __future__ import annotations
@@ -21,105 +23,120 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.report import plots, reproduction
-from bench.report.rows import SYSTEMS, name
-from bench.sim import engine, sweep, tier
-from bench.sim.costmodel import GB, MODES, ideal_time, transfer_time
-from bench.sim.repro_ctx import CHAT, HERE, LMSYS, Ctx, add_arguments, reuse_rows
+from bench.report import plots, reproduction, simlive
+from bench.sim import engine, sweep
+from bench.sim.costmodel import GB, MODELS, MODES, ideal_time, neo_applicable, transfer_time
+from bench.sim import repro_ctx
+from bench.sim.repro_ctx import ARTIFACT_RATES, DURATION_S, LMSYS, SLOS, Ctx
+from services.scheduler.core import POLICIES
 from shared.config import DEFAULT_BLOCK_SIZE as BLOCK_SIZE
 
+# Fig. 16's systems: the authors' released scheduler (once registered), the paper's LVF as its text
+# defines it, ours, and the baselines the paper compares with (vLLM V1 = fcfs).
+FIG16 = (*(p for p in ("superinfer-artifact", "lvf-paper", "lvf") if p in POLICIES), "fcfs", "trtllm", "lightllm", "ltr", "neo")
+MODELS_DEFAULT = ("qwen2.5-32b",)
+MODELS_FULL = ("qwen2.5-32b", "llama3-8b", "mixtral-8x7b")
+DATASETS = ("sharegpt", "lmsys")
 VLLM_BXFER = 300  # the paper's B_xfer on vLLM's swap path (Fig. 17)
-LVFS = ("lvf-paper", "lvf")  # the paper's LVF (no guard of ours) and ours (our defaults)
-CONV_RATES = (2, 4, 6, 8)  # conversations/s
-LMSYS_RATES = (4, 8, 12)
-# The guards of ours that the ablation adds one at a time to lvf-paper (their lvf defaults), and
-# the two that work with any policy, which it also gives vllm-v1 (fcfs) and wf.
+# The policy-agnostic knobs (any policy may take them): all off, or all on, for every policy.
+KNOBS_OFF = {"admit_watermark": 0.0, "slo_chunking": False}
+KNOBS_ON = {"admit_watermark": 0.25, "slo_chunking": True}
+# LVF's guards (lvf's defaults): the ablation takes each one alone from lvf-paper, and each one
+# away from lvf (all on).
 GUARDS = {"admit_watermark": 0.25, "min_residency_s": 16.0, "rotary_yields": True, "slo_chunking": True}
 GUARDS_OFF = {"admit_watermark": 0.0, "min_residency_s": 0.0, "rotary_yields": False, "slo_chunking": False}
-AGNOSTIC = ("admit_watermark", "slo_chunking")
-# Sensitivity (Figs. 18-21) on the conversations at CONV_KNOB_RATE. (At 200 conversations a seed
-# and the calibrated speed the KV-cache does not fill; 700 at 4 and 8/s do, at ~3x the time.)
-CONV_KNOB_RATE = 6
-# The per-step calibration's own runs: both LVFs on 1000 ShareGPT requests at rates where the
-# batch grows to the paper's per-step model time.
-CALIBRATION_RATES = (12, 16)
-# Each figure's workload, for `--rerun` (the others: conversations).
-FIGURE_WORKLOADS = {"fig16": "sharegpt", "ablation": "sharegpt", "fig16_lmsys": "lmsys", "calibration": "calibration"}
 KNOB_SWEEPS = {
     "alpha": (1.0, 3.0, 10.0),
     "beta_f": (0.0, 0.5, 1.0),
     "beta_b": (0.0, 1.0, 2.0),
-    "xfer_budget": (96, 600, 2400),
+    "xfer_budget": (300, 600, 2400),
 }
+
+
+def rates_of(model: str, dataset: str, full: bool) -> tuple[float, ...]:
+    """The artifact's rates: all with --full, else its lowest and two highest."""
+    rs = ARTIFACT_RATES[(model, dataset)]
+    return rs if full else (rs[0], *rs[-2:])
+
+
+def systems(model: str) -> tuple[str, ...]:
+    """Fig. 16's systems on `model` (NEO runs dense models only)."""
+    return tuple(p for p in FIG16 if p != "neo" or neo_applicable(MODELS[model]))
 
 
 # ---------------------------------------------------------------- experiments
 
 
-def mode_of(policy: str, baseline_mode: str = "duplex") -> str:
-    return "duplex" if policy in LVFS else baseline_mode
+def equal_setup(ctx: Ctx, policy: str, knobs: dict, model: str, **extra) -> engine.SimSetup:
+    """`policy` with the policy-agnostic `knobs`. lvf-paper refuses any of them (config.py), so
+    with them on it is lvf with LVF's own two guards off: the paper's rule plus the knobs."""
+    m = MODELS[model]
+    if policy == "lvf-paper" and knobs["slo_chunking"]:
+        return ctx.setup("lvf", model=m, min_residency_s=0.0, rotary_yields=False, **knobs, **extra)
+    return ctx.setup(policy, model=m, **knobs, **extra)
 
 
-def fig16(ctx: Ctx, workload: str = "sharegpt", rates=None) -> list[dict]:
-    """Fig. 16's policies (both LVFs and every baseline) on `workload`: the paper's ShareGPT
-    single turns, LMSYS-Chat-1M's length mix (`lmsys`), or the conversations (prefix caching on
-    for all, vLLM V1's default; then sf and wf once more on vLLM's swap path at the top rate)."""
-    conv = workload == "conversations"
-    rates = rates or (CONV_RATES if conv else LMSYS_RATES if workload == "lmsys" else ctx.args.rates)
-    jobs = [sweep.Job(r, ctx.setup(p, enable_prefix_caching=conv)) for p in SYSTEMS for r in rates]
-    if conv:
-        jobs += [sweep.Job(rates[-1], ctx.setup(p, "vllm", enable_prefix_caching=True)) for p in ("sf", "wf")]
-    return ctx.run(jobs, workload)
+def labelled(ctx: Ctx, jobs: list[tuple[dict, sweep.Job]], wl: str) -> list[dict]:
+    """Each job's row with its labels (policy, knobs, ...) on it."""
+    rows = ctx.run([j for _, j in jobs], wl)
+    return [{**r, **lab} for (lab, _), r in zip(jobs, rows)]
 
 
-def ablation_setups(ctx: Ctx, conv: bool) -> list[tuple[str, engine.SimSetup]]:
-    """(label, setup): lvf-paper, lvf-paper plus each guard alone (lvf with the other three off),
-    lvf; vllm-v1 and wf bare and with each policy-agnostic guard."""
-    pc = {"enable_prefix_caching": conv}
-    out = [("lvf-paper", ctx.setup("lvf-paper", **pc))]
-    out += [(f"lvf-paper + {g}", ctx.setup("lvf", **{**GUARDS_OFF, g: GUARDS[g]}, **pc)) for g in GUARDS]
-    out += [("lvf (all four)", ctx.setup("lvf", **pc))]
-    for p in ("fcfs", "wf"):
-        out += [(name(p), ctx.setup(p, **pc))]
-        out += [(f"{name(p)} + {g}", ctx.setup(p, **{g: GUARDS[g]}, **pc)) for g in AGNOSTIC]
-    return out
+def fig16(ctx: Ctx, model: str, dataset: str, knobs: str, rates) -> list[dict]:
+    """Fig. 16: every system at `rates`, the policy-agnostic knobs all `knobs` (off/on)."""
+    kv = KNOBS_ON if knobs == "on" else KNOBS_OFF
+    jobs = [
+        ({"policy": p, "knobs": knobs, "dataset": dataset, "model": MODELS[model].name}, sweep.Job(r, equal_setup(ctx, p, kv, model)))
+        for p in systems(model)
+        for r in rates
+    ]
+    return labelled(ctx, jobs, f"a-{dataset}")
 
 
-def ablation(ctx: Ctx, workload: str, rate: float) -> list[dict]:
-    """The guard ablation at one rate: each row labelled (`variant`)."""
-    labelled = ablation_setups(ctx, workload == "conversations")
-    rows = ctx.run([sweep.Job(rate, s) for _, s in labelled], workload)
-    return [{**r, "variant": label} for (label, _), r in zip(labelled, rows)]
+def ablation_setups(ctx: Ctx) -> list[tuple[str, engine.SimSetup]]:
+    """(label, setup): LVF's guards one at a time onto lvf-paper, and leave-one-out from lvf
+    (all four on)."""
+    m = MODELS["qwen2.5-32b"]
+    setups = [("lvf-paper (none)", ctx.setup("lvf-paper", model=m))]
+    setups += [(f"lvf-paper + {g}", ctx.setup("lvf", model=m, **{**GUARDS_OFF, g: GUARDS[g]})) for g in GUARDS]
+    setups += [(f"lvf − {g}", ctx.setup("lvf", model=m, **{**GUARDS, g: GUARDS_OFF[g]})) for g in GUARDS]
+    return setups + [("lvf (all four)", ctx.setup("lvf", model=m, **GUARDS))]
 
 
-def fig1(ctx: Ctx, rate: float, out: Path) -> dict:
-    """WF and SF on vLLM's swap path, and vLLM V1's FCFS, on the conversations."""
-    policies = ("wf", "sf", "fcfs")
-    setups = [ctx.setup(p, "duplex" if p == "fcfs" else "vllm", enable_prefix_caching=True) for p in policies]
-    recs = dict(zip(policies, ctx.records(setups, rate)))
-    plots.plot_policy_cdfs(recs, out / "fig1_wf_vs_sf_cdf.png")
-    return recs
+def ablation(ctx: Ctx, rate: float) -> list[dict]:
+    """The guard ablation at one rate, first seed."""
+    jobs = [({"variant": v}, sweep.Job(rate, s, seeds=1)) for v, s in ablation_setups(ctx)]
+    return labelled(ctx, jobs, "a-sharegpt")
+
+
+def fig1(ctx: Ctx, rate: float) -> list[dict]:
+    """WF and SF on vLLM's swap path, and vLLM V1's FCFS (recompute), first seed."""
+    m = MODELS["qwen2.5-32b"]
+    jobs = [({"variant": f"{p} (vLLM swap path)"}, sweep.Job(rate, ctx.setup(p, "vllm", model=m), seeds=1)) for p in ("wf", "sf")]
+    jobs += [({"variant": "vllm-v1 (recompute)"}, sweep.Job(rate, ctx.setup("fcfs", model=m), seeds=1))]
+    return labelled(ctx, jobs, "a-sharegpt")
 
 
 def fig17(ctx: Ctx, rate: float) -> list[dict]:
-    """Both LVFs on vLLM's swap path with the paper's B_xfer and with a large one, and on
-    DuplexKV, on the conversations (where they rotate)."""
-    large = ctx.hw.defaults["xfer_budget"]
+    """Both LVFs on vLLM's swap path with B_xfer 300 and 2400, and on DuplexKV, first seed."""
+    m, large = MODELS["qwen2.5-32b"], ctx.hw.defaults["xfer_budget"]
     variants = [("vllm", VLLM_BXFER), ("vllm", large), ("duplex", large)]
     jobs = [
-        sweep.Job(rate, ctx.setup(p, mode, xfer_budget=b, enable_prefix_caching=True))
-        for p in LVFS
+        ({"variant": f"{p}, {mode}, B_xfer {b}"}, sweep.Job(rate, ctx.setup(p, mode, model=m, xfer_budget=b), seeds=1))
+        for p in ("lvf-paper", "lvf")
         for mode, b in variants
     ]
-    return ctx.run(jobs, "conversations")
+    return labelled(ctx, jobs, "a-sharegpt")
 
 
 def knob_sweeps(ctx: Ctx, rate: float) -> dict[str, list[dict]]:
-    """Figs. 18-21: each knob swept for both LVFs on the conversations (where they rotate)."""
+    """Figs. 18-21: each knob swept for both LVFs, first seed."""
+    m = MODELS["qwen2.5-32b"]
     return {
-        k: ctx.run(
-            [sweep.Job(rate, ctx.setup(p, enable_prefix_caching=True, **{k: v})) for p in LVFS for v in vals],
-            "conversations",
+        k: labelled(
+            ctx,
+            [({"policy": p, k: v}, sweep.Job(rate, ctx.setup(p, model=m, **{k: v}), seeds=1)) for p in ("lvf-paper", "lvf") for v in vals],
+            "a-sharegpt",
         )
         for k, vals in KNOB_SWEEPS.items()
     }
@@ -138,53 +155,52 @@ def table1(ctx: Ctx) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------- command
-
-
-def experiments(ctx: Ctx, figures: Path | None) -> dict:
-    """Every figure's rows (Fig. 1's plot to `figures`, when given)."""
-    top, conv_top = max(ctx.args.rates), max(CONV_RATES)
-    res: dict = {"fig16": fig16(ctx), "fig16_lmsys": fig16(ctx, "lmsys"), "fig16_conv": fig16(ctx, "conversations")}
-    res["calibration"] = ctx.run([sweep.Job(r, ctx.setup(p)) for p in LVFS for r in CALIBRATION_RATES], "calibration")
-    res["ablation"] = ablation(ctx, "sharegpt", top)
-    res["ablation_conv"] = ablation(ctx, "conversations", conv_top)
-    res["tier"] = tier.compare(ctx, CONV_RATES, hbm_share=None)
-    if figures is not None:
-        fig1(ctx, conv_top, figures)
-    res["fig17"] = fig17(ctx, conv_top)
-    res["knobs"] = knob_sweeps(ctx, CONV_KNOB_RATE)
+def experiments(ctx: Ctx, full: bool) -> dict:
+    models = MODELS_FULL if full else MODELS_DEFAULT
+    res: dict = {"fig16": []}
+    for model in models:
+        for ds in DATASETS:
+            res["fig16"] += fig16(ctx, model, ds, "off", rates_of(model, ds, full))
+    top = ARTIFACT_RATES[("qwen2.5-32b", "sharegpt")][-1]
+    res["fig16"] += fig16(ctx, "qwen2.5-32b", "sharegpt", "on", (top,))
+    res["ablation"] = ablation(ctx, top)
+    res["fig1"] = fig1(ctx, top)
+    res["fig17"] = fig17(ctx, top)
+    res["knobs"] = knob_sweeps(ctx, top)
     res["table1"] = table1(ctx)
     return res
 
 
+# ---------------------------------------------------------------- command
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.from_rows:
-        args.out.write_text(reproduction.render_results(args.results))
+    if args.from_rows:  # the simulator-vs-live runs on record in --results, if any, replace the rows' own
+        record = json.loads(args.rows.read_text())
+        record["simlive"] = simlive.load_runs(args.results) or record.get("simlive", [])
+        args.rows.write_text(json.dumps(record, indent=0, separators=(",", ":")) + "\n")
+        args.out.write_text(reproduction.render(record))
         return 0
     t0 = time.perf_counter()
     ctx = Ctx(args)
-    out, figures = args.results, args.out.parent / reproduction.FIGURES
-    before = json.loads((out / reproduction.ROWS_FILE).read_text()) if args.rerun else None
-    if before:
-        reuse_rows(ctx, before, set(args.rerun), FIGURE_WORKLOADS)
-    out.mkdir(parents=True, exist_ok=True)
+    models = MODELS_FULL if args.full else MODELS_DEFAULT
+    ctx.pool_rate = {f"a-{ds}": max(max(ARTIFACT_RATES[(m, ds)]) for m in models) for ds in DATASETS}
+    figures = args.out.parent / reproduction.FIGURES
+    args.results.mkdir(parents=True, exist_ok=True)
     figures.mkdir(parents=True, exist_ok=True)
     ctx.planning = True  # collect every figure's jobs, run them in one pool, then build the figures
-    experiments(ctx, None)
+    experiments(ctx, args.full)
     ctx.execute()
-    res = experiments(ctx, figures)
-    record = write_results(res, out, figures)
-    record["setting"] = setting_record(ctx, time.perf_counter() - t0)
-    if before:  # the whole run's figures stay the first run's; the rerun is told apart
-        st = before["setting"]
-        rerun = {"policies": args.rerun, "seconds": record["setting"]["seconds"], "num_runs": ctx.num_runs}
-        rerun["cpu_seconds"] = record["setting"]["cpu_seconds"]
-        for k in ("seconds", "cpu_seconds", "num_runs", "jobs"):
-            record["setting"][k] = st.get(k)
-        record["setting"]["rerun"] = rerun
-    (out / reproduction.ROWS_FILE).write_text(json.dumps(record, indent=1))
-    args.out.write_text(reproduction.render_results(out))
-    print(f"wrote {args.out}, {figures}/ and {out}/ in {time.perf_counter() - t0:.0f} s ({ctx.num_runs} runs)", file=sys.stderr)
+    res = experiments(ctx, args.full)
+    res["setting"] = setting_record(ctx, args, time.perf_counter() - t0)
+    write_csvs(res, args.results)
+    record = reproduction.compact(res)
+    record["simlive"] = simlive.load_runs(args.results)
+    args.rows.write_text(json.dumps(record, indent=0, separators=(",", ":")) + "\n")
+    plots.reproduction_figures(record, figures)
+    args.out.write_text(reproduction.render(record))
+    took = time.perf_counter() - t0
+    print(f"wrote {args.out}, {figures}/ and {args.rows} in {took:.0f} s ({ctx.num_runs} runs)", file=sys.stderr)
     return 0
 
 
@@ -194,26 +210,36 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def setting_record(ctx: Ctx, seconds: float) -> dict:
-    """What the reproduction ran, as REPRODUCTION.md's setting paragraph tells it (the rows
-    file keeps it, so the document is rendered from that file alone)."""
-    hw, m, items, setup = ctx.hw, ctx.model, ctx.items, ctx.setup("lvf")
-    long = sweep.load_items("sharegpt-long", len(items), ctx.args.seed)
+def workload_record(items: list) -> dict:
+    out = [i.output_tokens for i in items]
+    return {
+        "pool": len(items),
+        "mean_prompt_tokens": sum(i.prompt_tokens for i in items) / len(items),
+        "mean_output_tokens": sum(out) / len(items),
+        "max_output_tokens": max(out),
+        "max_total_tokens": max(i.prompt_tokens + i.output_tokens for i in items),
+        "share_over_2048": sum(i.prompt_tokens + i.output_tokens > 2048 for i in items) / len(items),
+    }
+
+
+def setting_record(ctx: Ctx, args: argparse.Namespace, seconds: float) -> dict:
+    """What the reproduction ran, as the page's setting section tells it."""
+    hw, setup = ctx.hw, ctx.setup("lvf")
+    models = MODELS_FULL if args.full else MODELS_DEFAULT
     return {
         "seconds": seconds,
         "cpu_seconds": cpu_seconds(),
-        "jobs": ctx.args.jobs,
+        "jobs": args.jobs,
+        "full": args.full,
         "num_runs": ctx.num_runs,
-        "rates": list(ctx.args.rates),
-        "seed": ctx.args.seed,
         "seeds": ctx.seeds,
-        "max_tokens": ctx.args.max_tokens,
-        "predictor_noise": setup.predictor_noise,
-        "model": {
-            "name": m.name,
-            "params_b": m.num_params / 1e9,
-            "block_mib": m.kv_block_bytes(setup.cfg.block_size, hw.dtype_bytes) / (1 << 20),
-        },
+        "duration_s": DURATION_S,
+        "slos": list(SLOS),
+        "rates": {f"{MODELS[m].name}/{ds}": list(rates_of(m, ds, args.full)) for m in models for ds in DATASETS},
+        "artifact_rates": {f"{MODELS[m].name}/{ds}": list(ARTIFACT_RATES[(m, ds)]) for m in MODELS_FULL for ds in DATASETS},
+        "systems": list(FIG16),
+        "sharegpt": workload_record(ctx.items_for("a-sharegpt")[args.seed]),
+        "lmsys": {**workload_record(ctx.items_for("a-lmsys")[args.seed]), "spec": asdict(LMSYS)},
         "hardware": {
             "name": hw.name,
             "tflops": hw.flops / 1e12,
@@ -222,67 +248,29 @@ def setting_record(ctx: Ctx, seconds: float) -> dict:
             "hbm_efficiency": hw.hbm_efficiency,
             "step_overhead_ms": hw.step_overhead_s * 1e3,
             "hbm_gb": hw.hbm_bytes / GB,
-            "mem_utilization": hw.mem_utilization,
-            "dram_fraction": hw.dram_fraction,
             "kv_dram_gb": None if hw.kv_dram_bytes is None else hw.kv_dram_bytes / GB,
-            "host_gb": hw.host_bytes / GB,
             "link_gbs": hw.link.curve[-1][1],
-            "link_gbs_64k": hw.link.rate(65536) / GB,
             "dram_gbs": hw.link.dram_gbs,
-            "duplex_efficiency": hw.link.duplex_efficiency,
-            "sched_ms": hw.sched_s * 1e3,
         },
-        "num_hbm_blocks": setup.num_hbm_blocks,
+        "num_hbm_blocks": {MODELS[m].name: ctx.setup("fcfs", model=MODELS[m]).num_hbm_blocks for m in models},
         "num_dram_blocks": setup.num_dram_blocks,
-        "sched_time": setup.sched_time,
-        "conversations": conversation_record(ctx.conversations()[ctx.args.seed]),
-        "lmsys": {
-            "mean_prompt_tokens": sum(i.prompt_tokens for i in ctx.lmsys()[ctx.args.seed]) / ctx.args.num_requests,
-            "mean_output_tokens": sum(i.output_tokens for i in ctx.lmsys()[ctx.args.seed]) / ctx.args.num_requests,
-            "spec": asdict(LMSYS),
-        },
-        "knob_rate": CONV_KNOB_RATE,
-        "workload": {
-            "num_requests": len(items),
-            "mean_prompt_tokens": sum(i.prompt_tokens for i in items) / len(items),
-            "mean_output_tokens": sum(i.output_tokens for i in items) / len(items),
-            # the same seed's sample at the pairs' real lengths (the workload not chosen; discussion.py)
-            "long_mean_prompt_tokens": sum(i.prompt_tokens for i in long) / len(long),
-            "long_mean_output_tokens": sum(i.output_tokens for i in long) / len(long),
-        },
-        "scheduler": asdict(setup.cfg),
+        "scheduler": {k: v for k, v in asdict(setup.cfg).items() if k in ("max_batched_tokens", "max_num_seqs", "xfer_budget", "block_size", "alpha", "beta_f", "beta_b")},
     }
 
 
-def conversation_record(items: list) -> dict:
-    """The conversations' shape, as the setting paragraph tells it."""
-    last = {it.conversation: it for it in items}.values()  # each conversation's last turn
-    return {
-        "num_conversations": len(last),
-        "num_turns": len(items),
-        "rates": list(CONV_RATES),
-        "think_s": CHAT.think_s,
-        "mean_prompt_tokens": sum(i.prompt_tokens for i in items) / len(items),
-        "mean_output_tokens": sum(i.output_tokens for i in items) / len(items),
-        "mean_context_tokens": sum(i.prompt_tokens + i.output_tokens for i in last) / len(last),
-        "max_context_tokens": max(i.prompt_tokens + i.output_tokens for i in last),
-    }
-
-
-def write_results(res: dict, out: Path, figures: Path) -> dict[str, list[dict]]:
-    """One CSV per figure to `out`, the plots to `figures`; returns the rows by figure, as the
-    rows file keeps them."""
-    figs = {k: v for k, v in res.items() if k.startswith(("fig", "ablation", "tier", "calibration")) or k == "table1"}
+def write_csvs(res: dict, out: Path) -> None:
+    """One CSV per figure to `out` (bench/results/, not in git)."""
+    figs = {k: v for k, v in res.items() if isinstance(v, list)}
     figs.update({f"fig_{k}": v for k, v in res["knobs"].items()})
-    for key, rows in figs.items():  # rows of a --rerun may have fields the reused ones lack: one header for all
+    for key, rows in figs.items():
         columns = list(dict.fromkeys(k for r in rows for k in r))
         sweep.write_outputs([{k: r.get(k) for k in columns} for r in rows], None, out / f"{key}.csv", {})
-    plots.plot_attainment(res["fig16"], figures, "Qwen2.5-32B on gh200 (calibrated), ShareGPT", "fig16")
-    plots.plot_attainment(res["fig16_conv"], figures, "Qwen2.5-32B on gh200 (calibrated), conversations", "fig16_conv")
-    plots.plot_attainment(res["fig17"], figures, "ablation", "fig17")
-    for k, rows in res["knobs"].items():
-        plots.plot_sweep(rows, k, figures / f"fig_{k}.png", f"{k} sweep (conversations)", by="policy")
-    return figs
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    repro_ctx.add_arguments(p)
+    p.add_argument("--full", action="store_true", help="every artifact rate, and Llama-3-8B and Mixtral-8x7B too")
+    p.add_argument("--rows", type=Path, default=reproduction.ROWS, help="the compact rows the page renders from (in git)")
 
 
 if __name__ == "__main__":

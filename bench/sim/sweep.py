@@ -112,6 +112,7 @@ def run_one(items: list[WorkItem], setup: SimSetup, rate: float, ttft_slo: float
 class Job:
     rate: float
     setup: SimSetup
+    seeds: int = 0  # `bench reproduce`: run on its first this many seeds only (0: all)
 
 
 def sweep(
