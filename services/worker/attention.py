@@ -170,13 +170,17 @@ def _count_leading_decodes(num_new: list[int]) -> int:
     return i
 
 
+def padded_tables(contexts: list[int], block_tables: list[list[int]], block_size: int) -> list[list[int]]:
+    """Each row's blocks holding its `contexts[i]` keys, padded to the widest with its first block
+    (the decode kernels' [R, max_blocks] table; the padding is never read)."""
+    used = [table[: -(-c // block_size)] for c, table in zip(contexts, block_tables)]
+    width = max(map(len, used))
+    return [u + u[:1] * (width - len(u)) for u in used]
+
+
 def _decode_batch(num_cached: list[int], block_tables: list[list[int]], block_size: int) -> DecodeBatch:
     ctx = [c + 1 for c in num_cached]  # keys per request, the new one included
-    max_blocks = -(-max(ctx) // block_size)
-    rows = []
-    for c, table in zip(ctx, block_tables):
-        used = table[: -(-c // block_size)]
-        rows.append(used + [used[0]] * (max_blocks - len(used)))
+    rows = padded_tables(ctx, block_tables, block_size)
     context_lens = torch.tensor(ctx)
     return DecodeBatch(torch.tensor(rows, dtype=torch.long), context_lens, block_size, context_lens)
 

@@ -31,6 +31,8 @@ import torch
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+# Every warning fails the build (a function without its declaration in kernels.h among them).
+WARNINGS = ("-Wall", "-Wextra", "-Werror=implicit-function-declaration", "-Werror=missing-prototypes", "-Werror")
 ENV_SWITCH = "SUPERINFER_CPU_KERNELS"
 LIMITS = ("max_heads", "max_head_dim", "panel", "pf_keys", "pf_rows", "amx_n", "amx_k", "qblock")  # csrc/limits.c
 
@@ -51,11 +53,11 @@ class CpuKernels:
         for name, value in zip(LIMITS, limits):
             setattr(self, name, value)
         self._attention = _bind(lib.paged_decode_attention_spans, [_ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _i64,
-                                _ptr, _ptr] + [_i64] * 5 + [f, c_int, c_int])  # fmt: skip
+                                _ptr, _ptr] + [_i64] * 5 + [f, c_int, c_int], restype=c_int)  # fmt: skip
         # Absent where the compiler does not target AVX-512 (csrc: paged prefill attention).
         prefill = getattr(lib, "paged_prefill_attention_f32", None)
         self._prefill = prefill and _bind(prefill, [_ptr, _i64, _ptr, c_int, _i64, _i64, _ptr, _i64, _i64, _ptr]
-                                          + [_i64] * 4 + [f, c_int, c_int])  # fmt: skip
+                                          + [_i64] * 4 + [f, c_int, c_int], restype=c_int)  # fmt: skip
         # Over a bfloat16 pool its products on vdpbf16ps, where the compiler targets AVX512-BF16.
         self.prefill_bf16 = bool(prefill) and bool(lib.prefill_bf16_products())
         self._add_rms_norm = _bind(lib.add_rms_norm_f32, [_ptr, _ptr, _ptr, f, _ptr, _i64, _i64, c_int])
@@ -70,7 +72,7 @@ class CpuKernels:
         self._core_latency = _bind(lib.core_latency_ns, [c_int], restype=ctypes.c_double)
         # Absent where the compiler does not target AVX-512 (csrc: small-batch matmul).
         panels = getattr(lib, "linear_panels_f32", None)
-        self._linear = panels and _bind(panels, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int])
+        self._linear = panels and _bind(panels, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int], restype=c_int)
         # Absent where the compiler does not target AMX; unused where the OS refuses its state.
         amx = getattr(lib, "linear_amx_bf16x3", None)
         self._amx = None
@@ -117,13 +119,15 @@ class CpuKernels:
         num_rows, num_heads, head_dim = q.shape
         _, _, block_size, num_kv, _ = kv_layer.shape
         out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype)
-        self._attention(
+        failed = self._attention(
             q.data_ptr(), q.stride(0),
             kv_layer.data_ptr(), is_bf16(kv_layer), kv_layer.stride(0), kv_layer.stride(1),
             block_ids.data_ptr(), block_ids.shape[1], context_lens.data_ptr(), out.data_ptr(),
             num_rows, num_heads, num_kv, head_dim, block_size,
             head_dim**-0.5, 0 if invariant else _threads(), _threads(),
         )  # fmt: skip
+        if failed:
+            raise MemoryError(f"no memory for the scratch of a {num_rows}-row decode attention")
         return out
 
     def supports_prefill(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
@@ -150,13 +154,15 @@ class CpuKernels:
         q_len, num_heads, head_dim = q.shape
         _, _, block_size, num_kv, _ = kv_layer.shape
         out = torch.empty((q_len, num_heads, head_dim), dtype=q.dtype)
-        self._prefill(
+        failed = self._prefill(
             q.data_ptr(), q.stride(0),
             kv_layer.data_ptr(), is_bf16(kv_layer), kv_layer.stride(0), kv_layer.stride(1),
             block_ids.data_ptr(), num_cached, q_len, out.data_ptr(),
             num_heads, num_kv, head_dim, block_size,
             head_dim**-0.5, int(bf16_products), _threads(),
         )  # fmt: skip
+        if failed:
+            raise MemoryError(f"no memory for the tiles of a {q_len}-row prefill attention")
         return out
 
     # ------------------------------------------------------------ per-row ops
@@ -389,7 +395,7 @@ def build(name: str = "cpu_kernels") -> Path:
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _cpu_flags()]))
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + WARNINGS).encode(), version.encode(), _cpu_flags()]))
     cache = Path(os.environ.get("SUPERINFER_CACHE_DIR") or Path.home() / ".cache" / "superinfer") / "kernels"
     target = cache / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -398,7 +404,7 @@ def build(name: str = "cpu_kernels") -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
         done = subprocess.run(
-            [compiler, *FLAGS, "-I", str(SOURCE_DIR), "-o", str(built), *map(str, sources), "-lm"],
+            [compiler, *FLAGS, *WARNINGS, "-I", str(SOURCE_DIR), "-o", str(built), *map(str, sources), "-lm"],
             capture_output=True,
             text=True,
         )

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker import cpu_kernels, cpu_quant, fused_decode
-from services.worker.attention import AttentionMetadata, paged_attention, write_kv
+from services.worker.attention import AttentionMetadata, build_metadata, paged_attention, write_kv
 from services.worker.host_memory import huge_page_copies
 from shared.modelfile import ModelConfig
 
@@ -75,6 +75,7 @@ class Linear(nn.Module):
             if self.quant is not None:
                 self.register_buffer("quant_data", self.quant.data)  # counted with the model's buffers
                 self.tiles = self.packed = self.panels = self.weight = None
+                self._bands = [(math.inf, "quant")]
                 return
             weight = weight.dequantize()
         tiles = _tiles_pack(weight)
@@ -84,6 +85,29 @@ class Linear(nn.Module):
         self.panels = None if panels is None else _param(panels)
         # [in, out]: wherever the panels do not replace it.
         self.weight = _param(weight.t().contiguous()) if panels is None else None
+        self._bands = self._choose()
+
+    def _choose(self) -> list[tuple[float, str]]:
+        """Which layout multiplies how many rows, chosen once, at load: (up to how many rows, the
+        layout's attribute), in order. The choice changes only at the thresholds."""
+
+        def layout(rows: float) -> str:
+            if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
+                return "tiles"
+            if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
+                return "panels"
+            if self.packed is not None and (rows > self.GEMV_MAX_ROWS or self.weight is None):
+                return "packed"
+            return "weight"
+
+        bands: list[tuple[float, str]] = []
+        for rows in sorted({self.GEMV_MAX_ROWS, self.TILES_MIN_ROWS - 1, self.PANEL_MAX_ROWS}) + [math.inf]:
+            bands = bands[:-1] if bands and bands[-1][1] == layout(rows) else bands
+            bands.append((rows, layout(rows)))
+        return bands
+
+    def _layout(self, rows: int) -> str:
+        return next(name for most, name in self._bands if rows <= most)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] ([T, out / 2] where gated)."""
@@ -93,14 +117,14 @@ class Linear(nn.Module):
         return silu_and_mul(y) if self.gated else y
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.quant is not None:
+        layout = self._layout(x.shape[0])
+        if layout == "quant":
             return cpu_quant.linear(x, self.quant, self.bias)
-        if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
+        if layout == "tiles":
             return cpu_kernels.kernels().linear_bf16x3(x, self.tiles, self.bias)
-        if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
+        if layout == "panels":
             return cpu_kernels.kernels().linear(x, self.panels, self.bias)
-        if self.packed is not None and (rows > self.GEMV_MAX_ROWS or self.weight is None):
+        if layout == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
@@ -121,18 +145,20 @@ class Linear(nn.Module):
 
     def native(self, rows: int) -> tuple[int, int, int, int] | None:
         """The native matmul `forward` runs for `rows` rows, for a native caller (fused_decode.py):
-        (kernel address, flags: 1 where it returns a status, 2 where it writes silu(gate) * up,
-        4 where it can run as one of its caller's team of threads; weight address, bias address
-        or 0); None where `forward` runs a torch op."""
+        (kernel address, flags: fused_decode.GATED where it writes silu(gate) * up, TEAM where it
+        can run as one of its caller's team of threads; weight address, bias address or 0); None
+        where `forward` runs a torch op."""
         bias = 0 if self.bias is None else self.bias.data_ptr()
-        if self.quant is not None:
-            address = cpu_kernels.kernels().address(cpu_quant.kernel_name(self.quant))
-            return address, 1 | 4 | (2 if self.quant.gated else 0), self.quant.data.data_ptr(), bias
-        if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
-            return cpu_kernels.kernels().address("linear_amx_bf16x3"), 1, self.tiles.data_ptr(), bias
-        if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
-            return cpu_kernels.kernels().address("linear_panels_f32"), 4, self.panels.data_ptr(), bias
-        return None
+        layout = self._layout(rows)
+        if layout == "quant":
+            flags = fused_decode.TEAM | (fused_decode.GATED if self.quant.gated else 0)
+            name, weight = cpu_quant.kernel_name(self.quant), self.quant.data
+        elif layout in ("tiles", "panels"):
+            name, flags = ("linear_amx_bf16x3", 0) if layout == "tiles" else ("linear_panels_f32", fused_decode.TEAM)
+            weight = getattr(self, layout)
+        else:
+            return None
+        return cpu_kernels.kernels().address(name), flags, weight.data_ptr(), bias
 
 
 def _panel_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -335,9 +361,34 @@ class LlamaModel(nn.Module):
             copies = huge_page_copies([getattr(m, name).data for m, name in held])
             for (m, name), copy in zip(held, copies):
                 m.replace_streamed(name, copy)
-        # Decode steps through csrc/decode_step.c where they qualify (the same result to the bit;
-        # off: layer by layer, as tests compare).
+        # `decode` through csrc/decode_step.c where it qualifies (the same result to the bit; off:
+        # layer by layer, as tests compare).
         self.fused_decode = True
+
+    def decode(
+        self,
+        kv_pool: torch.Tensor,
+        token_ids: list[int],
+        positions: list[int],
+        tables: list[list[int]],
+        sample_rows: list[int],
+        pick: bool = False,
+    ) -> tuple[torch.Tensor, list[int] | None]:
+        """A step of single-token rows, the one place that chooses how a decode step runs: row i
+        is token_ids[i] at positions[i] of a request whose block table is tables[i]. Returns
+        (logits [S, vocab] float32 of `sample_rows`, which the next step may overwrite; where
+        `pick` and the native step ran, each row's argmax, else None). In one native call where it
+        applies (fused_decode.py), else op by op through `forward`: the same bits either way."""
+        fused = fused_decode.for_pool(self, kv_pool) if self.fused_decode else None
+        out = fused.run(token_ids, positions, tables, sample_rows, pick) if fused is not None else None
+        if out is not None:
+            return out
+        device, block_size = kv_pool.device, kv_pool.shape[3]
+        meta = build_metadata(positions, [1] * len(positions), tables, block_size, device)
+        ids, pos, rows = (torch.tensor(v, dtype=torch.long).to(device) for v in (token_ids, positions, sample_rows))
+        with torch.inference_mode():
+            logits = self(ids, pos, meta, kv_pool, rows)
+        return logits.clone(), None  # not an inference tensor: the sampler processes rows in place
 
     def forward(
         self,
@@ -352,11 +403,6 @@ class LlamaModel(nn.Module):
         token_ids, positions: [T]; kv_pool: [num_blocks, num_layers, 2, block_size, KV, D];
         sample_rows: [S] row indices into T. Returns [S, vocab] float32.
         """
-        # A step of decodes only: embedding, every layer, final norm and head in one native call
-        # where it applies (fused_decode.py), else op by op.
-        logits = fused_decode.run(self, token_ids, positions, meta, kv_pool, sample_rows) if self.fused_decode else None
-        if logits is not None:
-            return logits
         x = F.embedding(token_ids, self.embed)  # [T, hidden]
         cos, sin = self._rope(positions, x.dtype)  # [T, D/2]
         for i, layer in enumerate(self.layers):

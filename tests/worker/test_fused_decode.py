@@ -1,5 +1,6 @@
-"""Decode steps through the whole model in one native call (fused_decode.py) against the same
-model op by op: the same logits and the same pool, to the bit, for packed and float32 weights."""
+"""Decode steps through the whole model in one native call (fused_decode.py, chosen by
+LlamaModel.decode) against the same model op by op: the same logits and the same pool, to the bit,
+for packed and float32 weights."""
 
 from __future__ import annotations
 
@@ -42,9 +43,9 @@ def _steps(
                 model(ids, torch.arange(c), build_metadata([0], [c], [table], BLOCK_SIZE, "cpu"), pool, torch.tensor([c - 1]))
             for step in range(num_steps):
                 positions = [c + step for c in contexts]
-                meta = build_metadata(positions, [1] * len(contexts), tables, BLOCK_SIZE, "cpu")
-                ids = torch.randint(0, cfg.vocab_size, (len(contexts),), generator=gen)
-                logits.append(model(ids, torch.tensor(positions), meta, pool, torch.arange(len(contexts))))
+                ids = torch.randint(0, cfg.vocab_size, (len(contexts),), generator=gen).tolist()
+                out, _ = model.decode(pool, ids, positions, tables, list(range(len(contexts))))
+                logits.append(out.clone())  # the fused step's buffer is the next step's
     finally:
         model.fused_decode = True
         model._decode_threads = fused_decode.ThreadChoice()
@@ -140,35 +141,35 @@ def test_thread_choice_tries_a_losing_count_less_often_and_follows_a_change():
     assert after[250:].count(1) <= 3  # two threads chosen, one tried now and then
 
 
-def test_fused_decode_declines_prefill_and_mixed_steps(gguf_model, cfg):
-    """A step with a prefill chunk is left to the layers: nothing written, None returned."""
+@pytest.mark.parametrize(
+    "token_ids, positions, tables, sample_rows",
+    [
+        ([7, -1], [3, 3], [[0], [1]], [0, 1]),  # a token id past either end of the vocabulary
+        ([7, 49152], [3, 3], [[0], [1]], [0, 1]),
+        ([7, 8], [3, -1], [[0], [1]], [0, 1]),  # a negative position
+        ([7, 8], [3, 3], [[0], [8]], [0, 1]),  # a block id past the pool's 8
+        ([7, 8], [3, BLOCK_SIZE], [[0], [1, -2]], [0, 1]),  # a negative one in the context
+        ([7, 8], [3, 3], [[0], [1]], [0, 2]),  # a sample row past the step's
+    ],
+    ids=["id -1", "id past", "position", "block past", "block negative", "sample row"],
+)
+def test_fused_decode_refuses_an_index_out_of_range(gguf_model, cfg, token_ids, positions, tables, sample_rows):
+    """Every index the native step reads is checked before anything is written: the step raises
+    IndexError, the pool is untouched, and the next good step runs."""
+    assert cfg.vocab_size == 49152
     pool = allocate_kv_pool(cfg, 8, BLOCK_SIZE, torch.float32, "cpu")
-    for num_new in ([5], [1, 5]):
-        tables = [[i] for i in range(len(num_new))]
-        meta = build_metadata([3] * len(num_new), num_new, tables, BLOCK_SIZE, "cpu")
-        rows = sum(num_new)
-        ids, positions = torch.full((rows,), 7), torch.arange(rows) + 3
-        assert fused_decode.run(gguf_model, ids, positions, meta, pool, torch.tensor([rows - 1])) is None
-        assert not pool.any()
-
-
-def test_fused_decode_refuses_a_token_id_past_the_vocabulary(gguf_model, cfg):
-    """An id the embedding has no row for fails the step as the forward's lookup does (IndexError),
-    before anything is written."""
-    pool = allocate_kv_pool(cfg, 8, BLOCK_SIZE, torch.float32, "cpu")
-    meta = build_metadata([3, 3], [1, 1], [[0], [1]], BLOCK_SIZE, "cpu")
-    for bad in (cfg.vocab_size, -1):
-        with pytest.raises(IndexError):
-            fused_decode.run(gguf_model, torch.tensor([7, bad]), torch.tensor([3, 3]), meta, pool, torch.arange(2))
-        assert not pool.any()
-    logits = fused_decode.run(gguf_model, torch.tensor([7, 8]), torch.tensor([3, 3]), meta, pool, torch.arange(2))
+    fused = fused_decode.for_pool(gguf_model, pool)
+    with pytest.raises(IndexError):
+        fused.run(token_ids, positions, tables, sample_rows, pick=True)
+    assert not pool.any()
+    logits, picked = fused.run([7, 8], [3, 3], [[0], [1]], [0, 1], pick=True)
     assert logits.shape == (2, cfg.vocab_size) and pool.any()
 
 
 def _served(model, cfg, prompts: list[list[int]], params: list[SamplingParams], fused: bool):
     """Each prompt prefilled alone, then decode steps of all together through ModelRunner, the
     last prompt held back to join them a token at a time (its next-to-last token a single-token
-    row that does not sample). Returns (every step's StepTokens, whether fused_decode.Decodes ran)."""
+    row that does not sample). Returns (every step's StepTokens, whether the fused step applied)."""
     per = [blocks_for(len(p) + 8) for p in prompts]
     free = list(range(sum(per)))
     random.Random(1).shuffle(free)
@@ -194,11 +195,11 @@ def _served(model, cfg, prompts: list[list[int]], params: list[SamplingParams], 
             steps.append(runner.execute_step(decodes))
     finally:
         model.fused_decode = True
-    return steps, runner._fused is not None
+    return steps, fused_decode.for_pool(model, pool) is not None
 
 
 def test_runner_decode_steps_from_lists_match_the_layers(gguf_model, cfg, chat_prompts):
-    """The runner's steps of decodes through fused_decode.Decodes (its lists packed into one array,
+    """The runner's steps of decodes through the fused step (its lists packed into one array,
     the logits in a buffer kept across steps, greedy tokens picked in the native call) give the
     tokens and logprobs the model gives layer by layer: greedy rows, a seeded sampled row, a greedy
     row asking for logprobs (its tokens then come from the sampler), and a single-token prompt row
@@ -225,7 +226,7 @@ def test_runner_decode_step_refuses_a_block_table_too_short(gguf_model, cfg):
     """A decode whose block table cannot hold its position fails as the metadata path does
     (ValueError), with nothing written."""
     pool = allocate_kv_pool(cfg, 4, BLOCK_SIZE, torch.float32, "cpu")
-    decodes = fused_decode.Decodes(gguf_model, pool, BLOCK_SIZE)
+    decodes = fused_decode.for_pool(gguf_model, pool)
     with pytest.raises(ValueError, match="cannot hold"):
         decodes.run([7, 8], [3, BLOCK_SIZE], [[0], [1]], [0, 1], pick=True)
     assert not pool.any()

@@ -38,22 +38,9 @@
 
 int amx_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
-static inline uint16_t bf16_round(float f) { /* round to nearest even; finite inputs */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-static inline float bf16_value(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline void bf16_split(float v, uint16_t *hi, uint16_t *lo) {
-    *hi = bf16_round(v);
-    *lo = bf16_round(v - bf16_value(*hi)); /* exact difference: the two share an exponent range */
+    *hi = float_to_bf16(v);
+    *lo = float_to_bf16(v - bf16_to_float(*hi)); /* exact difference: the two share an exponent range */
 }
 
 /* w: [N, K] float32 -> out: [N / 16][K / 32][2][16][32] bfloat16 (N % 16 == K % 32 == 0). */
@@ -145,9 +132,10 @@ static inline void amx_item_2x2(const uint16_t *xh, const uint16_t *xl, int64_t 
 
 /* x: [M, K] rows ldx apart; w: packed by pack_bf16x3; bias: [N] or NULL; y: [M, N] rows ldy apart.
  * N % 16 == K % 32 == 0. Returns -1 (y untouched) where the split copy of x cannot be allocated. */
-int linear_amx_bf16x3(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
+int linear_amx_bf16x3(const float *x, int64_t ldx, const void *weights, const float *bias, float *y, int64_t ldy,
                       int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M <= 0) return 0;
+    const uint16_t *w = weights;
     const int64_t num_mb = (M + AMX_ROWS - 1) / AMX_ROWS, rows_padded = num_mb * AMX_ROWS;
     const int64_t num_nb = N / AMX_N, num_pairs = (num_nb + 1) / 2, num_mb2 = (num_mb + 1) / 2;
     uint16_t *xs = aligned_alloc(64, (size_t)(rows_padded * K * 2 * sizeof(uint16_t)));

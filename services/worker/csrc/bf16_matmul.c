@@ -26,26 +26,13 @@
 
 static int bf16_force_portable = 0;
 
-static inline uint16_t to_bf16(float f) { /* round to nearest even; finite inputs */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* Rows [0, M) of one panel whose pairs of inputs lie `stride` elements apart. */
 static void panel_bf16_portable(const uint16_t *xb, int64_t K, const uint16_t *w, int64_t stride, const float *bias,
                                 float *y, int64_t ldy, int64_t M) {
     for (int64_t r = 0; r < M; r++)
         for (int c = 0; c < PANEL; c++) {
             float s = bias ? bias[c] : 0.0f;
-            for (int64_t k = 0; k < K; k++) s += from_bf16(xb[r * K + k]) * from_bf16(w[(k / 2) * stride + c * 2 + k % 2]);
+            for (int64_t k = 0; k < K; k++) s += bf16_to_float(xb[r * K + k]) * bf16_to_float(w[(k / 2) * stride + c * 2 + k % 2]);
             y[r * ldy + c] = s;
         }
 }
@@ -122,7 +109,7 @@ static void tile_bf16_rows(const uint16_t *xb, int64_t K, const uint16_t *w, con
 static void round_row_bf16(const float *x, int64_t K, uint16_t *out) {
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) _mm256_storeu_si256((__m256i *)(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + k)));
-    for (; k < K; k++) out[k] = to_bf16(x[k]);
+    for (; k < K; k++) out[k] = float_to_bf16(x[k]);
 }
 #pragma GCC pop_options
 
@@ -132,9 +119,9 @@ static int have_bf16(void) {
 }
 #else
 static int have_bf16(void) { return 0; }
-static void tile_bf16_rows(const uint16_t *xb, int64_t K, const uint16_t *w, const float *bias, float *y,
-                           int64_t ldy, int64_t M, int P, int G) {}
-static void round_row_bf16(const float *x, int64_t K, uint16_t *out) {}
+/* Never called (have_bf16() is 0): the AVX512-BF16 kernels' stand-ins. */
+#define tile_bf16_rows(xb, K, w, bias, y, ldy, M, P, G) ((void)0)
+#define round_row_bf16(x, K, out) ((void)0)
 #endif
 
 /* 1 where the AVX512-BF16 path runs; `portable` nonzero forces the portable one (tests). */
@@ -152,7 +139,7 @@ void pack_bf16_panels(const float *w, int64_t N, int64_t K, uint16_t *out) {
         const int64_t width = p / 2 * 2 + 1 < num_panels ? 2 * PANEL : PANEL; /* columns per pair of inputs */
         uint16_t *o = out + (p - p % 2) * K * PANEL + (p % 2) * PANEL * 2;
         for (int64_t k = 0; k < K; k++)
-            for (int c = 0; c < PANEL; c++) o[(k / 2) * width * 2 + c * 2 + k % 2] = to_bf16(w[(p * PANEL + c) * K + k]);
+            for (int c = 0; c < PANEL; c++) o[(k / 2) * width * 2 + c * 2 + k % 2] = float_to_bf16(w[(p * PANEL + c) * K + k]);
     }
 }
 
@@ -160,7 +147,7 @@ void pack_bf16_panels(const float *w, int64_t N, int64_t K, uint16_t *out) {
 static void round_row(const float *x, int64_t K, uint16_t *out, int fast) {
     if (fast) round_row_bf16(x, K, out);
     else
-        for (int64_t k = 0; k < K; k++) out[k] = to_bf16(x[k]);
+        for (int64_t k = 0; k < K; k++) out[k] = float_to_bf16(x[k]);
 }
 
 /* One thread's share of a matmul, on a team of threads all calling it: xb is this thread's
@@ -208,27 +195,23 @@ static void bf16_share(const float *x, int64_t ldx, const uint16_t *w, const flo
 static int linear_bf16_any(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
                            int64_t M, int64_t N, int64_t K, int num_threads, int gated) {
     if (M <= 0) return 0;
+    const int team = omp_in_parallel(); /* a member of the caller's team: its own copy */
     uint16_t *xb = malloc(sizeof(uint16_t) * M * K);
-    if (omp_in_parallel()) { /* a member of the caller's team: its own copy */
-        if (xb) bf16_share(x, ldx, w, bias, y, ldy, M, N, K, gated, 1, xb);
-        free(xb);
-#pragma omp barrier
-        return xb ? 0 : -1;
-    }
-    if (!xb) return -1;
-#pragma omp parallel num_threads(num_threads)
-    bf16_share(x, ldx, w, bias, y, ldy, M, N, K, gated, 0, xb);
+    if (xb) ON_TEAM(num_threads, bf16_share(x, ldx, w, bias, y, ldy, M, N, K, gated, team, xb));
     free(xb);
-    return 0;
+    if (team) {
+#pragma omp barrier
+    }
+    return xb ? 0 : -1;
 }
 
-int linear_bf16(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy, int64_t M,
+int linear_bf16(const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t ldy, int64_t M,
                 int64_t N, int64_t K, int num_threads) {
     return linear_bf16_any(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 0);
 }
 
 /* As linear_bf16 over N = 2I rows packed gate and up panels in pairs; y: [M, I] = silu(gate) * up. */
-int linear_bf16_gated(const float *x, int64_t ldx, const uint16_t *w, const float *bias, float *y, int64_t ldy,
+int linear_bf16_gated(const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t ldy,
                       int64_t M, int64_t N, int64_t K, int num_threads) {
     return linear_bf16_any(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 1);
 }

@@ -513,14 +513,10 @@ void decode_attention_planned(const float *q, int64_t q_row_stride, const void *
                               const int64_t *ctx_lens, const int64_t *first, const int64_t *spans, float *part,
                               float *out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               int64_t block_size, float scale, int num_threads) {
-    if (omp_in_parallel()) {
-        attention_share(q, q_row_stride, kv, kv_bf16, block_stride, side_stride, block_ids, max_blocks, ctx_lens, first,
-                        spans, part, out, 1, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale);
-        return;
-    }
-#pragma omp parallel num_threads(num_threads)
-    attention_share(q, q_row_stride, kv, kv_bf16, block_stride, side_stride, block_ids, max_blocks, ctx_lens, first,
-                    spans, part, out, 0, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale);
+    const int team = omp_in_parallel();
+    ON_TEAM(num_threads, attention_share(q, q_row_stride, kv, kv_bf16, block_stride, side_stride, block_ids, max_blocks,
+                                         ctx_lens, first, spans, part, out, team, num_rows, num_heads, num_kv_heads,
+                                         head_dim, block_size, scale));
 }
 
 /* q: [R, H, D] rows `q_row_stride` floats apart (heads contiguous); out: [R, H, D] contiguous.
@@ -530,18 +526,26 @@ void decode_attention_planned(const float *q, int64_t q_row_stride, const void *
  * first only, so a caller may run it on fewer threads than it was cut for. span_threads 0: each
  * row's spans by its own length (row_span) whatever the batch, so its result depends on its own
  * query and keys alone (batch-invariant: a query gets the same bits decoded alone, beside others,
- * or as a row of a prefill chunk). */
-void paged_decode_attention_spans(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
+ * or as a row of a prefill chunk). Returns 0, or -1 (out untouched) without memory for its scratch. */
+int paged_decode_attention_spans(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
                                   int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
                                   int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                   float scale, int span_threads, int num_threads) {
     int64_t *first = malloc(sizeof(int64_t) * (2 * num_rows + 1)), *spans = first + num_rows + 1;
-    const int64_t num_items = decode_attention_plan(ctx_lens, num_rows, block_size, span_threads, first, spans);
-    float *part = malloc(sizeof(float) * num_heads * (head_dim + 2) * num_items);
+    float *part = 0;
+    if (first) {
+        const int64_t num_items = decode_attention_plan(ctx_lens, num_rows, block_size, span_threads, first, spans);
+        part = malloc(sizeof(float) * num_heads * (head_dim + 2) * num_items);
+    }
+    if (!part) {
+        free(first);
+        return -1;
+    }
     decode_attention_planned(q, q_row_stride, kv, kv_bf16, block_stride, side_stride, block_ids, max_blocks, ctx_lens,
                              first, spans, part, out, num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
                              num_threads);
     free(part);
     free(first);
+    return 0;
 }

@@ -1,12 +1,15 @@
 /* Shared by the native CPU kernels (services/worker/cpu_kernels.py builds every C file here into one
- * library): the limits the kernels are built for, which `kernel_limits` (limits.c) hands to Python,
- * and the vectorised exp they share. */
+ * library): every exported function's declaration (each .c includes this header, and the build
+ * fails on a definition without one), the decode step's argument struct (mirrored once in Python,
+ * fused_decode.py), the limits the kernels are built for, which `kernel_limits` (limits.c) hands to
+ * Python, and the helpers the kernels share. */
 #ifndef SUPERINFER_KERNELS_H
 #define SUPERINFER_KERNELS_H
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #define MAX_HEADS 64     /* decode and prefill attention: query heads at most */
 #define MAX_HEAD_DIM 256 /* ... and head size at most */
@@ -18,6 +21,111 @@
 #define AMX_K 32         /* AMX matmul: bfloat16 inputs per A tile row (64 bytes) */
 #define CHUNK 32         /* attention: keys scored at a time (the scores stay in L1) */
 #define QBLOCK 32        /* quantized matmul: inputs per quantization block */
+
+/* ------------------------------------------------------------ exported functions, by file */
+
+/* A matmul kernel: y = x . W^T (+ bias). x: [M, K] rows ldx apart; w: W packed for that kernel;
+ * bias: [N] or NULL; y: [M, N] rows ldy apart ([M, N / 2] for a gated one: silu(gate) * up).
+ * Returns 0, or -1 (y incomplete) without memory for its scratch. */
+typedef int linear_fn(const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t ldy,
+                      int64_t M, int64_t N, int64_t K, int num_threads);
+
+/* amx_matmul.c (where the compiler targets AMX) */
+int amx_enable(void);
+void pack_bf16x3(const float *w, int64_t N, int64_t K, uint16_t *out);
+linear_fn linear_amx_bf16x3;
+/* bf16_matmul.c */
+int bf16_matmul_path(int portable);
+void pack_bf16_panels(const float *w, int64_t N, int64_t K, uint16_t *out);
+linear_fn linear_bf16, linear_bf16_gated;
+/* matmul.c (where the compiler targets AVX-512) */
+linear_fn linear_panels_f32;
+/* quant_matmul.c */
+int quant_matmul_path(int portable);
+int quant_matmul_dequant_rows(int rows);
+linear_fn linear_q4, linear_q4_0, linear_q8;
+/* decode_attention.c */
+int64_t decode_attention_plan(const int64_t *ctx_lens, int64_t num_rows, int64_t block_size, int span_threads,
+                              int64_t *first, int64_t *spans);
+void decode_attention_planned(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16, int64_t block_stride,
+                              int64_t side_stride, const int64_t *block_ids, int64_t max_blocks,
+                              const int64_t *ctx_lens, const int64_t *first, const int64_t *spans, float *part,
+                              float *out, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t block_size, float scale, int num_threads);
+int paged_decode_attention_spans(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16,
+                                 int64_t block_stride, int64_t side_stride, const int64_t *block_ids,
+                                 int64_t max_blocks, const int64_t *ctx_lens, float *out, int64_t num_rows,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                 float scale, int span_threads, int num_threads);
+/* prefill_attention.c (where the compiler targets AVX-512) */
+int prefill_bf16_products(void);
+int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16, int64_t block_stride,
+                                int64_t side_stride, const int64_t *table, int64_t num_cached, int64_t q_len,
+                                float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, float scale, int bf16_products, int num_threads);
+/* rowops.c */
+void add_rms_norm_f32(float *x, const float *delta, const float *w, float eps, float *out, int64_t num_rows,
+                      int64_t n, int num_threads);
+void rope_angles_f32(const int64_t *positions, int64_t num_rows, const float *inv_freq, int64_t half, float *cos,
+                     float *sin);
+void rope_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t num_rows, int64_t num_heads,
+              int64_t head_dim, int num_threads);
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t num_rows, int64_t n, int num_threads);
+void argmax_rows_f32(const float *x, int64_t num_rows, int64_t n, int64_t *out);
+void write_kv_f32(const float *k, const float *v, int64_t row_stride, void *kv, int bf, int64_t block_stride,
+                  int64_t side_stride, const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t num_rows,
+                  int64_t width);
+void copy_blocks(const char *src, char *dst, int64_t block_bytes, const int64_t *src_ids, const int64_t *dst_ids,
+                 int64_t num);
+/* read.c */
+uint64_t read_words(const uint64_t *p, int64_t n, int num_threads);
+double core_latency_ns(int rounds);
+/* limits.c */
+int64_t kernel_limits(int64_t *out, int64_t n);
+/* sampling.c */
+int sample_rows_f32(const float *x, int64_t num_rows, int64_t n, const float *temperature, const int64_t *top_k,
+                    const double *top_p, const double *min_p, const double *u, int64_t *out);
+
+/* decode_step.c: a whole decode step in one call (services/worker/fused_decode.py mirrors these
+ * structs field for field as ctypes.Structure; a change here is a change there). */
+struct linear {
+    linear_fn *kernel; /* the matmul the model's forward runs for this many rows */
+    int64_t flags;     /* LINEAR_GATED, LINEAR_TEAM */
+    const void *weight;
+    const float *bias; /* NULL: none */
+};
+#define LINEAR_GATED 1 /* it writes silu(gate) * up, N / 2 columns */
+#define LINEAR_TEAM 2  /* called by every thread of a parallel region, it runs as one of that team */
+
+struct decode_layer {
+    const float *in_norm, *post_norm;
+    struct linear qkv, o, gate_up, down;
+};
+
+struct decode_step {
+    /* the model, fixed at load */
+    const struct decode_layer *layers;
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    const float *embed; /* [vocab_rows, hidden] float32 */
+    int64_t embed_rows;
+    const float *inv_freq; /* [head_dim / 2] */
+    const float *final_norm;
+    struct linear head; /* [vocab, hidden] */
+    int64_t vocab;
+    float eps, scale;
+    /* the KV pool: [blocks, layers, 2, block_size, KV, D], strides in elements */
+    void *kv;
+    int64_t kv_bf16, num_blocks, block_size, layer_stride, block_stride, side_stride;
+    /* this step: T rows, S of them sampled */
+    int64_t num_rows, num_samples, max_blocks;
+    const int64_t *token_ids, *positions, *sample_rows; /* [T], [T], [S] */
+    const int64_t *slot_blocks, *slot_offsets;          /* [T] */
+    const int64_t *block_ids, *ctx_lens;                /* [T, max_blocks], [T] */
+    float *logits;                                      /* [S, vocab] */
+    int64_t *picked;                                    /* [S] each logits row's argmax, or NULL */
+    int64_t span_threads, threads;
+};
+int decode_step_f32(const struct decode_step *s);
 
 /* exp(x) for x <= 0 in a form the compiler vectorises (libm's expf stays scalar): x = n ln2 + r,
  * |r| <= ln2 / 2, exp(r) by its Taylor polynomial to r^7 (relative error < 1e-8, below float's
@@ -75,6 +183,19 @@ static inline uint16_t float_to_bf16(float f) {
     if (f != f) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+
+/* Runs `share` (a kernel's share of the work, split over the threads of the region it runs in) on
+ * every thread of the caller's parallel region where the kernel is called inside one (decode_step.c:
+ * each member of the team calls it), else in a region of its own on num_threads threads. */
+#define ON_TEAM(num_threads, share)                                       \
+    do {                                                                  \
+        if (omp_in_parallel()) {                                          \
+            share;                                                        \
+        } else {                                                          \
+            const int team_threads_ = (num_threads);                      \
+            _Pragma("omp parallel num_threads(team_threads_)") { share; } \
+        }                                                                 \
+    } while (0)
 
 /* Element i of a pool of float32 (bf = 0) or bfloat16 (bf = 1). */
 static inline float kv_at(const void *kv, int64_t i, const int bf) {

@@ -88,14 +88,9 @@ static void panels_share(const float *x, int64_t ldx, const float *w, const floa
  * in equal groups of <= 12. Called inside a parallel region (decode_step.c), every thread of the
  * team calls it and it returns, y complete, after they meet; elsewhere it runs on num_threads
  * threads of its own. */
-void linear_panels_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
-                       int64_t M, int64_t N, int64_t K, int num_threads) {
-    if (M <= 0) return;
-    if (omp_in_parallel()) {
-        panels_share(x, ldx, w, bias, y, ldy, M, N, K);
-        return;
-    }
-#pragma omp parallel num_threads(num_threads)
-    panels_share(x, ldx, w, bias, y, ldy, M, N, K);
+int linear_panels_f32(const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t ldy,
+                      int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M > 0) ON_TEAM(num_threads, panels_share(x, ldx, w, bias, y, ldy, M, N, K));
+    return 0;
 }
 #endif

@@ -147,8 +147,9 @@ int prefill_bf16_products(void) {
  * bfloat16 one where kv_bf16 (strides in elements); table: the request's blocks (covering them);
  * out: [q_len, H, D] contiguous. head_dim a multiple of PF_KEYS; H / KV <= PF_ROWS. bf16_products
  * (a bfloat16 pool, where prefill_bf16_products()): both products on vdpbf16ps, Q and P rounded to
- * bfloat16; otherwise float32 arithmetic, the same to the bit over a pool of either type. */
-void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16, int64_t block_stride,
+ * bfloat16; otherwise float32 arithmetic, the same to the bit over a pool of either type. Returns 0,
+ * or -1 (out incomplete) where a thread found no memory for its tiles. */
+int paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const void *kv, int kv_bf16, int64_t block_stride,
                                  int64_t side_stride, const int64_t *table, int64_t num_cached, int64_t q_len,
                                  float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, int bf16_products, int num_threads) {
@@ -159,7 +160,8 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const voi
     bf16_products = 0;
 #endif
     bf16_products = bf16_products && kv_bf16;
-#pragma omp parallel num_threads(num_threads)
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *qt = aligned_alloc(64, sizeof(float) * D * PF_ROWS);
         float *ot = aligned_alloc(64, sizeof(float) * D * PF_ROWS);
@@ -168,8 +170,10 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const voi
         uint32_t *pp = aligned_alloc(64, sizeof(uint32_t) * (CHUNK / 2) * PF_ROWS);
         uint32_t *vp = aligned_alloc(64, sizeof(uint32_t) * (CHUNK / 2) * D);
         int32_t pos[PF_ROWS] __attribute__((aligned(64)));
+        failed = !(qt && ot && st && pp && vp); /* its items then stay undone */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; item++) {
+            if (failed) continue;
             /* The last tiles (the most keys) first, so the short ones fill in at the end. */
             const int64_t tile = num_tiles - 1 - item / num_kv_heads, g = item % num_kv_heads;
             const int64_t i0 = tile * qt_len, n_pos = q_len - i0 < qt_len ? q_len - i0 : qt_len;
@@ -258,5 +262,6 @@ void paged_prefill_attention_f32(const float *q, int64_t q_row_stride, const voi
         free(ot);
         free(qt);
     }
+    return failed ? -1 : 0;
 }
 #endif

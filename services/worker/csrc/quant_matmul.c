@@ -366,49 +366,41 @@ static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const flo
                         int64_t M, int64_t N, int64_t K, int num_threads, int bits, int has_m) {
     if (M <= 0) return 0;
     const int64_t nb = K / QBLOCK, xq_size = (M * K + 63) / 64 * 64, dx_size = 2 * M * nb;
-    if (omp_in_parallel()) { /* a member of the caller's team: its own copy */
-        int8_t *xq = aligned_alloc(64, (size_t)xq_size);
-        float *dx = malloc(sizeof(float) * dx_size);
-        if (xq && dx) quant_share(x, ldx, w, bias, y, ldy, M, N, K, bits, has_m, 1, xq, dx);
-        free(xq);
-        free(dx);
-#pragma omp barrier
-        return xq && dx ? 0 : -1;
-    }
     /* A few rows: every thread quantizes them all into its own copy, so the threads meet only
-     * once, at the end (decode steps run ~10 such matmuls a layer). More rows are split. */
-    const int own = M <= QTILE && num_threads > 1, copies = own ? num_threads : 1;
+     * once, at the end (decode steps run ~10 such matmuls a layer). More rows are split. A member
+     * of the caller's team has its own copy (each member calls this). */
+    const int team = omp_in_parallel(), own = team || (M <= QTILE && num_threads > 1);
+    const int copies = own && !team ? num_threads : 1;
     int8_t *xq_all = aligned_alloc(64, (size_t)(xq_size * copies));
     float *dx_all = malloc(sizeof(float) * dx_size * copies);
-    if (!xq_all || !dx_all) {
-        free(xq_all);
-        free(dx_all);
-        return -1;
-    }
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int copy = own ? omp_get_thread_num() : 0;
-        quant_share(x, ldx, w, bias, y, ldy, M, N, K, bits, has_m, own, xq_all + copy * xq_size, dx_all + copy * dx_size);
-    }
+    const int ok = xq_all && dx_all;
+#define COPY (copies > 1 ? omp_get_thread_num() : 0)
+    if (ok)
+        ON_TEAM(num_threads, quant_share(x, ldx, w, bias, y, ldy, M, N, K, bits, has_m, own, xq_all + COPY * xq_size,
+                                         dx_all + COPY * dx_size));
+#undef COPY
     free(xq_all);
     free(dx_all);
-    return 0;
+    if (team) {
+#pragma omp barrier
+    }
+    return ok ? 0 : -1;
 }
 
 /* Q4_1: 4 bits, d and m. */
-int linear_q4(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy, int64_t M,
+int linear_q4(const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t ldy, int64_t M,
               int64_t N, int64_t K, int num_threads) {
     return linear_quant(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 4, 1);
 }
 
 /* Q4_0: 4 bits, d alone. */
-int linear_q4_0(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy, int64_t M,
+int linear_q4_0(const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t ldy, int64_t M,
                 int64_t N, int64_t K, int num_threads) {
     return linear_quant(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 4, 0);
 }
 
 /* Q8_0: 8 bits, d alone. */
-int linear_q8(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy, int64_t M,
+int linear_q8(const float *x, int64_t ldx, const void *w, const float *bias, float *y, int64_t ldy, int64_t M,
               int64_t N, int64_t K, int num_threads) {
     return linear_quant(x, ldx, w, bias, y, ldy, M, N, K, num_threads, 8, 0);
 }
