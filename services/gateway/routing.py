@@ -37,6 +37,7 @@ ROUTINGS = ("cache-aware", "headroom", "round-robin")
 DEFAULT_ROUTING = "cache-aware"
 SHORT_OF_HEADROOM = 1.0  # a headroom_score from here: a queued request, or batch + HBM full
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a scheduler's step-time model has a fit
+UNFITTED = (0.0, DEFAULT_PREFILL_S_PER_TOKEN)  # (a, b) of a scheduler with no fit, while none has one
 DEFAULT_BUDGET = 512
 TIE_S = 1e-3  # predicted TTFTs closer than this are a tie
 TIE_EPS = 1e-9  # headroom scores closer than this are a tie
@@ -110,14 +111,16 @@ class LinkCache:
 
 
 def predicted_ttft(
-    stats: SchedulerStats, num_prompt: int, num_hit_blocks: int, num_dram_blocks: int, unreported_tokens: int = 0
+    stats: SchedulerStats, num_prompt: int, num_hit_blocks: int, num_dram_blocks: int, unreported_tokens: int = 0,
+    unfitted: tuple[float, float] = UNFITTED,
 ) -> float:
-    """Seconds to the first token of a `num_prompt`-token prompt on this scheduler (module doc)."""
-    b = stats.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN
+    """Seconds to the first token of a `num_prompt`-token prompt on this scheduler (module doc);
+    a scheduler with no fit yet is taken to step as `unfitted` says (a, b)."""
+    a, b = (stats.step_s, stats.prefill_s_per_token) if stats.prefill_s_per_token else unfitted
     miss = max(0, num_prompt - num_hit_blocks * stats.block_size)
     tokens = stats.num_queued_tokens + unreported_tokens + miss
     steps = max(1, math.ceil(tokens / (stats.max_batched_tokens or DEFAULT_BUDGET)))
-    return steps * (stats.step_s + b * stats.num_running) + b * tokens + num_dram_blocks * stats.block_copy_s
+    return steps * (a + b * stats.num_running) + b * tokens + num_dram_blocks * stats.block_copy_s
 
 
 class Sessions:
@@ -160,12 +163,12 @@ class Router:
         if self.routing == "cache-aware":
             return self.soonest(links, now, prompt_ids, session)
         if self.routing == "round-robin":
-            return self._lowest(links, [link for link in links if link.routable(now)], lambda link: 0.0, 0.5)
+            return self._lowest(links, lambda link: link.routable(now), lambda link: 0.0, 0.5)
         return self.best_headroom(links, now)
 
     def best_headroom(self, links: list, now: float):
         """The most SLO headroom (lowest `headroom_score`)."""
-        return self._lowest(links, [link for link in links if link.routable(now)], lambda link: link.score(), TIE_EPS)
+        return self._lowest(links, lambda link: link.routable(now), lambda link: link.score(), TIE_EPS)
 
     def soonest(self, links: list, now: float, prompt_ids: list[int], session: str | None):
         """The lowest predicted TTFT among schedulers with SLO headroom (all, when none has
@@ -176,14 +179,19 @@ class Router:
         link = next((link for link in roomy if link.addr == pinned), None) if pinned else None
         if link is None:
             keys_by_layout: dict[tuple[int, str], list[int]] = {}
+            # A scheduler without a fit (new, or idle so far) is taken to step as the slowest
+            # fitted one does, neither faster nor slower than the others.
+            fitted = [(x.stats.prefill_s_per_token, x.stats.step_s) for x in live if x.stats.prefill_s_per_token]
+            unfitted = max(fitted)[::-1] if fitted else UNFITTED
 
             def ttft(link) -> float:
                 layout = (link.stats.block_size, link.stats.model_name)
                 if layout not in keys_by_layout:
                     keys_by_layout[layout] = prompt_keys(prompt_ids, *layout)
-                return link.predict(len(prompt_ids), keys_by_layout[layout])
+                return link.predict(len(prompt_ids), keys_by_layout[layout], unfitted)
 
-            link = self._lowest(links, roomy or live, ttft, TIE_S)
+            allowed = {id(x) for x in roomy or live}
+            link = self._lowest(links, lambda x: id(x) in allowed, ttft, TIE_S)
             for other in live:  # the best's prediction is kept for on_sent; the others' are stale
                 if other is not link:
                     other.predicted_miss = None
@@ -191,15 +199,16 @@ class Router:
             self.sessions.pin(session, link.addr)
         return link
 
-    def _lowest(self, links: list, candidates: list, cost, tie: float):
-        """The candidate of lowest `cost`; among those within `tie` of each other, the first
-        from `self.next` in `links`' order (round-robin)."""
+    def _lowest(self, links: list, ok, cost, tie: float):
+        """The link passing `ok` of lowest `cost`; among those within `tie` of each other, the
+        first from `self.next` in `links`' order (round-robin). One pass."""
         n = len(links)
-        index = {id(link): i for i, link in enumerate(links)}
-        best, best_cost = None, math.inf
-        for link in sorted(candidates, key=lambda link: (index[id(link)] - self.next) % n):
-            if (c := cost(link)) < best_cost - tie:
-                best, best_cost = link, c
+        best, best_i, best_cost = None, 0, math.inf
+        for k in range(n):
+            i = (self.next + k) % n
+            link = links[i]
+            if ok(link) and (c := cost(link)) < best_cost - tie:
+                best, best_i, best_cost = link, i, c
         if best is not None:
-            self.next = (index[id(best)] + 1) % n
+            self.next = (best_i + 1) % n
         return best

@@ -47,7 +47,9 @@ from zmq.utils.monitor import parse_monitor_message
 from services.gateway.errors import unavailable
 from services.gateway.headroom import headroom_score, num_blocks
 from services.gateway.request_handle import RequestHandle
-from services.gateway.routing import DEFAULT_ROUTING, SHORT_OF_HEADROOM, LinkCache, Router, predicted_ttft
+from services.gateway.routing import (
+    DEFAULT_ROUTING, SHORT_OF_HEADROOM, UNFITTED, LinkCache, Router, predicted_ttft,
+)
 from shared import zmqsec
 from shared.config import DEFAULT_FAILOVER_GRACE_S, ZMQ_HWM, ZMQ_LINGER_MS
 from shared.protocol import (
@@ -116,11 +118,11 @@ class SchedulerLink:
     def short_of_headroom(self) -> bool:
         return self.score() >= SHORT_OF_HEADROOM
 
-    def predict(self, num_prompt: int, keys: list[int]) -> float:
+    def predict(self, num_prompt: int, keys: list[int], unfitted: tuple[float, float] = UNFITTED) -> float:
         """Its predicted TTFT for a prompt of `num_prompt` tokens whose block keys are `keys`."""
         num_hit, num_dram = self.cache.match(keys)
         self.predicted_miss = max(0, num_prompt - num_hit * self.stats.block_size)
-        return predicted_ttft(self.stats, num_prompt, num_hit, num_dram, self.num_unreported_tokens)
+        return predicted_ttft(self.stats, num_prompt, num_hit, num_dram, self.num_unreported_tokens, unfitted)
 
     def on_sent(self, req: AddRequest) -> None:
         self.request_ids.add(req.request_id)
@@ -134,9 +136,10 @@ class SchedulerLink:
         self.num_routed_prompt_tokens += num_prompt
 
     def on_report(self, stats: SchedulerStats, now: float) -> None:
-        self.stats = stats
-        self.num_unreported = self.num_unreported_blocks = self.num_unreported_tokens = 0
         self.cache.on_report(stats.cache_seq, stats.cache)
+        # Kept without its events (applied above): /health and /metrics show the rest.
+        self.stats = stats if stats.cache is None else msgspec.structs.replace(stats, cache=None)
+        self.num_unreported = self.num_unreported_blocks = self.num_unreported_tokens = 0
         self.on_heard(now)
 
     def on_heard(self, now: float) -> None:

