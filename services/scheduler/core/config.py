@@ -8,9 +8,12 @@ from shared.config import DEFAULT_BLOCK_SIZE, default_mirror_watermark, default_
 
 DEFAULT_XFER_BUDGET = 2400  # blocks: the paper's B_xfer on GH200
 XFER_SHARE = 0.5  # of the TBT SLO a step's copies may take, where B_xfer comes from the measured bandwidth
-POLICIES = ("lvf", "lvf-paper", "fcfs", "sf", "wf", "trtllm", "trtllm-maxutil", "lightllm", "ltr", "edf")
+POLICIES = (
+    "lvf", "lvf-paper", "superinfer-artifact", "fcfs", "sf", "wf", "trtllm", "trtllm-maxutil", "lightllm", "ltr", "edf",
+)
 LVF_POLICIES = ("lvf", "lvf-paper")  # lvf-paper: LVF as the paper defines it, our guards off
-SWAPPING = ("lvf", "lvf-paper", "sf", "wf", "ltr")  # the others preempt by recompute (trtllm never preempts)
+# The others preempt by recompute (trtllm never preempts).
+SWAPPING = ("lvf", "lvf-paper", "superinfer-artifact", "sf", "wf", "ltr")
 LVF_WATERMARK = 0.25  # lvf's admit_watermark (lvf.py); the other policies' is 0
 
 
@@ -41,7 +44,9 @@ class SchedulerConfig:
         "lvf",
         "lvf: Largest-VLT-First rotation (SuperInfer) with our guards; lvf-paper: LVF exactly as the paper "
         "defines it (min_residency_s 0, admit_watermark 0, rotary_yields and slo_chunking off, whatever "
-        "their flags say); fcfs: FCFS with recompute preemption; "
+        "their flags say); superinfer-artifact: the scheduler the paper's authors released, as its code runs "
+        "(artifact.py: keeps B_xfer blocks free by swapping out the longest-running decodes, admits the "
+        "longest-waiting first; reserve_full_prompt off); fcfs: FCFS with recompute preemption; "
         "sf: swapped-first with swap preemption; wf: waiting-first with swap preemption; baselines "
         "(baselines.py): trtllm: TensorRT-LLM's GUARANTEED_NO_EVICT, admit only with room for prompt + "
         "max_tokens, never preempt; trtllm-maxutil: its MAX_UTILIZATION, an older request pauses newer "
@@ -160,6 +165,8 @@ class SchedulerConfig:
         if self.policy == "lvf-paper":  # the paper's LVF: none of our guards
             self.min_residency_s, self.admit_watermark, self.rotary_yields = 0.0, 0.0, False
             self.slo_chunking = False
+        if self.policy == "superinfer-artifact":  # its vLLM 0.6.6 allocates a new request's chunk only
+            self.reserve_full_prompt = False
         for name in ("block_size", "max_batched_tokens", "max_num_seqs", "xfer_budget"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -57,6 +57,7 @@ class Request:
     scheduled_step: int = -1  # last step that computed tokens for it
     step_new_tokens: int = 0  # tokens planned in `scheduled_step`
     preempted_step: int = -1
+    paused_at: float = 0.0  # `now` of the step that last preempted it
     swap_in_step: int = -1  # its DRAM blocks are read and HBM blocks written in that step
     # Prefix caching: chain hashes of its first full blocks of known tokens (prefix.py), how
     # many of hbm_blocks have been offered to the cache, and the prompt tokens its first

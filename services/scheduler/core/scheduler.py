@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from shared.protocol import AddRequest, NewRequestData, Plan, ScheduledRequest, StepResult, TokenOutput
 
+from .artifact import schedule_artifact
 from .baselines import BASELINE_STEPS
 from .config import SchedulerConfig
 from .fcfs import schedule_fcfs
@@ -211,6 +212,8 @@ class SchedulerCore:
             memory.begin_step(step, functools.partial(plan_loads, cfg, memory, self.step_time.fit(), step))
         if cfg.is_lvf and not step.fits_all:
             schedule_lvf(self, step)
+        elif cfg.policy == "superinfer-artifact":
+            schedule_artifact(self, step)
         elif cfg.policy in BASELINE_STEPS:
             BASELINE_STEPS[cfg.policy](self, step)
         else:
@@ -310,6 +313,7 @@ class SchedulerCore:
             return False
         del self.running[req.request_id]
         req.preempted_step = step.step_id
+        req.paused_at = step.now
         step.preempted.append(req)
         self.num_preemptions += 1
         self._enqueue(req)
