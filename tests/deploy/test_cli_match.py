@@ -169,8 +169,10 @@ def test_autoscaler_targets_the_gateways_which_request_cpu(rendered):
 def test_images_are_the_variant_build(rendered):
     variant, docs = rendered
     workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
-    images = {c["image"] for d in workloads for c in pod_containers(d).values()}
-    assert images == {f"superinfer:{'cuda' if variant == 'gpu' else 'cpu'}"}
+    images = {name: c["image"] for d in workloads for name, c in pod_containers(d).items()}
+    # the worker runs the variant's full image; the gateway and scheduler the control image, no torch
+    assert images == {WORKER: f"superinfer:{'cuda' if variant == 'gpu' else 'cpu'}",
+                      GATEWAY: "superinfer-control", SCHEDULER: "superinfer-control"}
 
 
 def memory_bytes(quantity: str) -> float:
@@ -205,4 +207,7 @@ def test_compose_services_parse_and_connect_on_the_bound_ports(compose):
     assert f"http://127.0.0.1:{gateway.port}/health" in " ".join(services[GATEWAY]["healthcheck"]["test"])
     for name, spec in services.items():
         assert set(spec.get("depends_on", {})) <= set(services) - {name}
-        assert spec["build"]["dockerfile"] == "deploy/Dockerfile" and spec["image"] == "superinfer:cpu"
+        if name == WORKER:
+            assert spec["build"]["dockerfile"] == "deploy/Dockerfile" and spec["image"] == "superinfer:cpu"
+        else:  # no torch in the gateway's and scheduler's image
+            assert spec["build"]["dockerfile"] == "deploy/Dockerfile.control" and spec["image"] == "superinfer-control"

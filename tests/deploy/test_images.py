@@ -17,7 +17,8 @@ from tests.deploy.conftest import DEPLOY, VARIANTS
 from tests.deploy.kustomize import render
 
 REPO = DEPLOY.parent
-DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]
+DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]  # the full images: every service, torch included
+ALL_DOCKERFILES = [*DOCKERFILES, "Dockerfile.control"]  # + the gateway's and scheduler's, no torch
 
 
 def instructions(name: str) -> list[tuple[str, str]]:
@@ -31,7 +32,7 @@ def values(name: str, instruction: str) -> list[str]:
     return [args for kind, args in instructions(name) if kind == instruction]
 
 
-@pytest.mark.parametrize("name", DOCKERFILES)
+@pytest.mark.parametrize("name", ALL_DOCKERFILES)
 def test_entry_point_and_default_command(name):
     assert [json.loads(v) for v in values(name, "ENTRYPOINT")] == [["superinfer"]]
     [cmd] = [json.loads(v) for v in values(name, "CMD")]
@@ -54,7 +55,7 @@ def test_torch_comes_from_the_index_the_builder_names(name):
     assert project and runs.index("torch==") < project.start()  # its torch requirement is then met
 
 
-@pytest.mark.parametrize("name", DOCKERFILES)
+@pytest.mark.parametrize("name", ALL_DOCKERFILES)
 def test_every_installed_package_is_copied_and_not_ignored(name):
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
@@ -63,6 +64,22 @@ def test_every_installed_package_is_copied_and_not_ignored(name):
     ignore = (DEPLOY / f"{name}.dockerignore").read_text().splitlines()
     assert "*" in ignore
     assert all(f"!{c}" in ignore or f"!{c}/" in ignore for c in copied)
+
+
+def test_the_control_image_has_no_torch():
+    """The gateway's and scheduler's image installs the project's requirements less torch, read
+    from pyproject.toml, then the project with --no-deps, and stops if torch came in anyway."""
+    runs = " ".join(values("Dockerfile.control", "RUN"))
+    assert "torch==" not in runs and "TORCH_INDEX_URL" not in " ".join(values("Dockerfile.control", "ARG"))
+    assert "tomllib" in runs and "not d.startswith('torch')" in runs
+    assert "pip install -r /tmp/control-requirements.txt" in runs and "pip install --no-deps ." in runs
+    assert "find_spec('torch') is None" in runs
+    assert "superinfer gateway --help" in runs and "superinfer scheduler --help" in runs
+    assert values("Dockerfile.control", "FROM") == ["python:3.11-slim"]
+    [cmd] = [json.loads(v) for v in values("Dockerfile.control", "CMD")]
+    assert cmd[0] == "gateway"
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [d for d in deps if d.startswith("torch")], "torch left the base requirements: the filter is moot"
 
 
 def test_base_images_and_extras():
