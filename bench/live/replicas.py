@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 from bench.live.serve import client_args, replay
@@ -132,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"logs in {log_dir}", flush=True)
     for rate in args.rates:
         items = load_workload("sharegpt", args.conversations, rate, tokenizer, seed=args.seed, chat=chat)
+        if args.max_output:  # shorter replies: more turns fit a short run on two cores
+            items = [replace(it, output_tokens=min(it.output_tokens, args.max_output)) for it in items]
         for routing in args.routing:
             t0 = time.perf_counter()
             row = {"rate": rate, **one_run(items, routing, args, log_dir, weights_cache), "wall_s": time.perf_counter() - t0}
@@ -159,6 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", type=_floats, default=[0.1, 0.3], help="conversations/s (default 0.1,0.3)")
     p.add_argument("--conversations", type=int, default=24, help="conversations per run (default %(default)s)")
     p.add_argument("--max-turns", type=int, default=3, help="turns per conversation at most (default %(default)s)")
+    p.add_argument("--max-output", type=int, default=64, help="output tokens per turn at most; 0: the data set's (default %(default)s)")
     p.add_argument("--think-time", type=float, default=1.0, help="seconds between a turn's end and the next (default %(default)s)")
     p.add_argument("--routing", type=lambda s: s.split(","), default=["headroom", "round-robin", "cache-aware"],
                    help=f"routings, each in a run of its own (default all: {','.join(ROUTINGS)})")

@@ -2,18 +2,23 @@
 HBM and DRAM since its previous load report (`protocol.CacheEvents`), so a gateway routes a
 request to where its prefix lives (services/gateway/routing.py).
 
-    core's pools (hash -> block) ──diff against what was told──▶ CacheEvents (<= MAX_CACHE_EVENTS)
-                                                                  cache_seq + 1 on every report
+    pool.index (hash -> block) ──LoggedIndex notes each hash set or deleted──▶ changes
+    changes vs what gateways were told ──▶ CacheEvents (<= MAX_CACHE_EVENTS), cache_seq + 1
 
-It diffs each pool's hash index against the set it last reported, so it needs no hook in the
-core: a set difference per pool and report, O(cached blocks) in C, and `block_key` only for what
-changed. What does not fit in one report's budget is left out of the told set and so shows up
-in the next diff. A gateway that missed a report (or is new) asks for a `snapshot`: the told
-sets, which the events numbered up to `seq` describe. A new core (a restarted worker) is simply
-a pool with nothing in it: its first diff drops everything.
+The first report from a core swaps each pool's hash index for a `LoggedIndex`, a dict that
+notes which hashes came and went (the pools only ever set and delete its items), so a report
+costs O(changes), not O(cached blocks): a diff of the whole index took ~5 ms at 12k cached
+blocks and ~250 ms at GH200 sizes (120k) on this machine. A hash that came and went between
+two reports is not told at all. Changes past one report's budget wait for the next. A gateway
+that missed a report (or is new) asks for a `snapshot`: the told sets, which the events
+numbered up to `seq` describe. A new core (a restarted worker) starts empty: every block told
+of the old one is dropped in the next reports.
 """
 
 from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
 
 from shared.protocol import MAX_CACHE_EVENTS, CacheEvents, SchedulerStats, block_key
 
@@ -38,47 +43,85 @@ def core_report(core) -> dict:
     }
 
 
+class LoggedIndex(dict):
+    """A pool's hash -> block index that notes, per hash, whether it is there after its last
+    change (`changed`), until the report takes the note."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.changed: dict[bytes, bool] = dict.fromkeys(self, True)
+
+    def __setitem__(self, h: bytes, b: int) -> None:
+        super().__setitem__(h, b)
+        self.changed[h] = True
+
+    def __delitem__(self, h: bytes) -> None:
+        super().__delitem__(h)
+        self.changed[h] = False
+
+
+class _Told:
+    """One pool, as the gateways were told it."""
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, int] = {}  # hash -> block_key
+        self.index: LoggedIndex | None = None  # the pool's index being watched
+
+    def watch(self, pool) -> LoggedIndex:
+        """`pool`'s index, logged; a pool new to us (a new core) first drops what was told."""
+        if not isinstance(pool.index, LoggedIndex):
+            pool.index = LoggedIndex(pool.index)
+        if pool.index is not self.index:
+            self.index = pool.index
+            for h in self.keys:
+                self.index.changed.setdefault(h, False)
+        return self.index
+
+    def changes(self, budget: list[int]) -> tuple[list[int], list[int]]:
+        """Up to budget[0] (added, removed) keys taken from the index's notes."""
+        added: list[int] = []
+        removed: list[int] = []
+        changed = self.index.changed
+        for h in list(itertools.islice(changed, max(0, budget[0]))):
+            there = changed.pop(h) and h in self.index
+            if there and h not in self.keys:
+                self.keys[h] = k = block_key(h)
+                added.append(k)
+            elif not there and h in self.keys:
+                removed.append(self.keys.pop(h))
+        budget[0] -= len(added) + len(removed)
+        return added, removed
+
+
 class CacheReport:
     def __init__(self, max_events: int = MAX_CACHE_EVENTS) -> None:
         self.max_events = max_events
         self.seq = 0  # reports that carried events so far
-        self.hbm: dict[bytes, int] = {}  # hash -> block_key, as the gateways were told
-        self.dram: dict[bytes, int] = {}
+        self.hbm, self.dram = _Told(), _Told()
+        self._empty: SimpleNamespace | None = None
 
     def core_events(self, core) -> CacheEvents | None:
-        """`events` of a core's two pools (None: no core; everything it held is dropped)."""
-        m = core.memory if core is not None else None
-        return self.events(m and m.hbm.index, m and m.dram.index)
-
-    def events(self, hbm_index: dict[bytes, int] | None, dram_index: dict[bytes, int] | None) -> CacheEvents | None:
-        """The changes since the last call (None when there are none); `*_index`: the pools'
-        hash -> block maps (None: no core)."""
+        """The changes of `core`'s pools since the last call (None: none); `core` None (no
+        worker): everything told is dropped."""
+        if core is None:  # the same empty pools while no worker is ready
+            core = self._empty = self._empty or _no_core()
+        else:
+            self._empty = None
+        self.hbm.watch(core.memory.hbm)
+        self.dram.watch(core.memory.dram)
         budget = [self.max_events]
-        hbm_added, hbm_removed = _diff(self.hbm, hbm_index or {}, budget)
-        dram_added, dram_removed = _diff(self.dram, dram_index or {}, budget)
+        hbm_added, hbm_removed = self.hbm.changes(budget)
+        dram_added, dram_removed = self.dram.changes(budget)
         if not (hbm_added or hbm_removed or dram_added or dram_removed):
             return None
         self.seq += 1
         return CacheEvents(hbm_added, hbm_removed, dram_added, dram_removed)
 
     def snapshot(self) -> CacheEvents:
-        return CacheEvents(list(self.hbm.values()), [], list(self.dram.values()), [], snapshot=True)
+        return CacheEvents(list(self.hbm.keys.values()), [], list(self.dram.keys.values()), [], snapshot=True)
 
 
-def _diff(told: dict[bytes, int], now: dict[bytes, int], budget: list[int]) -> tuple[list[int], list[int]]:
-    """Update `told` towards `now` by at most budget[0] changes (drops first: a gateway then
-    never prefers a replica for a block it lost); (added, removed) keys."""
-    removed: list[int] = []
-    for h in told.keys() - now.keys():
-        if budget[0] <= 0:
-            break
-        removed.append(told.pop(h))
-        budget[0] -= 1
-    added: list[int] = []
-    for h in now.keys() - told.keys():
-        if budget[0] <= 0:
-            break
-        told[h] = k = block_key(h)
-        added.append(k)
-        budget[0] -= 1
-    return added, removed
+def _no_core() -> SimpleNamespace:
+    """What a scheduler without a worker reports: pools with nothing in them."""
+    pool = lambda: SimpleNamespace(index=LoggedIndex())  # noqa: E731
+    return SimpleNamespace(memory=SimpleNamespace(hbm=pool(), dram=pool()))

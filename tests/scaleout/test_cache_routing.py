@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import random
 import time
+from types import SimpleNamespace
 
 import msgspec
 
@@ -181,25 +182,36 @@ def test_a_replica_short_of_headroom_is_avoided_even_holding_the_prefix(tmp_path
 
 def test_reports_out_of_sequence_drop_the_copy_until_a_snapshot():
     report, cache = CacheReport(max_events=3), LinkCache()
-    hbm = {bytes([i]) * 16: i for i in range(5)}
+    core = SimpleNamespace(memory=SimpleNamespace(hbm=SimpleNamespace(index={}), dram=SimpleNamespace(index={})))
+    index = core.memory.hbm.index
+    for i in range(5):
+        index[bytes([i]) * 16] = i
 
     def told(ev) -> None:  # a report as it reaches the gateway: its seq and its events
         cache.on_report(report.seq, ev)
 
     told(report.snapshot())
-    ev = report.events(hbm, {})
+    ev = report.core_events(core)
     assert len(ev.hbm_added) == 3  # bounded: the rest comes with the next report
     told(ev)
-    told(report.events(hbm, {}))
+    index = core.memory.hbm.index  # the pool's index, now noting its changes
+    index[b"x" * 16] = 9
+    del index[b"x" * 16]  # came and went between two reports: never told
+    told(report.core_events(core))
     assert len(cache.hbm) == 5 and cache.seq == 2
+    assert report.core_events(core) is None
     told(None)  # a report with no events (a hello's answer) changes nothing
     assert len(cache.hbm) == 5
-    del hbm[bytes([0]) * 16]
-    report.events(hbm, {})  # a report this gateway never got
-    told(report.events({}, {}))
+    del index[bytes([0]) * 16]
+    report.core_events(core)  # a report this gateway never got
+    del index[bytes([1]) * 16]
+    told(report.core_events(core))
     assert cache.wants_snapshot and not cache.hbm
-    cache.on_report(report.seq, report.snapshot())
-    assert not cache.wants_snapshot and cache.hbm == set(report.hbm.values()) and len(cache.hbm) == 1
+    told(report.snapshot())
+    assert not cache.wants_snapshot and len(cache.hbm) == 3
+    told(report.core_events(None))  # the worker is gone: its blocks with it
+    told(report.core_events(None))
+    assert not cache.hbm and not cache.wants_snapshot and report.core_events(None) is None
 
 
 def test_the_operator_sees_each_replicas_cache_hit_share():
