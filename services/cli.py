@@ -6,6 +6,7 @@
     superinfer abort ID | drain [--undo]  # operator commands (admin token)
     superinfer keys DIR                   # CURVE keys for --zmq-keys (tcp:// off loopback)
     superinfer docs config                # regenerate docs/configuration.md from the flags
+    superinfer kernels build              # compile the native CPU kernels into the cache (install, image build)
     superinfer bench model|matmul|quant|kv|sched|grammar ...   # benchmarks (print numbers, write JSON)
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -101,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=str(config_docs.DEFAULT_PATH), help="where to write it; - for stdout")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when the page differs from the flags")
     zmqsec.add_keys_command(sub)
+    kernels = sub.add_parser("kernels", help="the native CPU kernels")
+    kernels = kernels.add_subparsers(dest="kernels", required=True, metavar="ACTION")
+    kernels.add_parser("build", help="compile them for this machine into the kernel cache now (exit 1 where that fails)")
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, (module, help_text) in BENCHMARKS.items():
@@ -153,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         return zmqsec.run_keys(args)
     if args.command == "docs":
         return _write_config_docs(args)
+    if args.command == "kernels":
+        return _build_kernels()
     parser.error(f"unknown command {args.command}")
     return 2
 
@@ -166,6 +173,20 @@ def _bind_compute_threads(num_ranks: int) -> None:
     if num_ranks == 1:
         os.environ.setdefault("OMP_PROC_BIND", "close")
         os.environ.setdefault("OMP_PLACES", "cores")
+
+
+def _build_kernels() -> int:
+    """`superinfer kernels build`: the library a first `serve` would compile, built (or found) in
+    the cache ($SUPERINFER_CACHE_DIR), so that no pod waits for the compiler at its first request."""
+    from services.worker import cpu_kernels
+
+    try:
+        path = cpu_kernels.build()
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"native cpu kernels not built: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
 
 
 def _write_config_docs(args: argparse.Namespace) -> int:

@@ -3,6 +3,8 @@ kernels switched off), on shapes the models meet: one row, a decode batch, a pre
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -130,3 +132,28 @@ def test_streaming_read_covers_every_byte_once(threads):
     words = aligned_host_tensor((8 * 1001,), torch.int64, 64)
     words.copy_(torch.randint(0, 1 << 40, words.shape, generator=torch.Generator().manual_seed(threads)))
     assert native.read(words, threads) == int(words.sum()) % (1 << 64)
+
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+
+
+@needs_compiler
+def test_kernels_build_warning_free(tmp_path, monkeypatch):
+    """The library builds from an empty cache under -Wall -Wextra with every warning an error
+    (cpu_kernels.WARNINGS): CI fails where a change brings a warning."""
+    monkeypatch.setenv("SUPERINFER_CACHE_DIR", str(tmp_path))
+    assert cpu_kernels.build().is_file()
+
+
+@needs_compiler
+def test_a_function_missing_from_the_header_fails_the_build(tmp_path, monkeypatch):
+    """An exported function that kernels.h does not declare (a signature that could drift from its
+    callers') is a build error, not a library."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    shutil.copy(cpu_kernels.SOURCE_DIR / "kernels.h", src)
+    (src / "extra.c").write_text('#include "kernels.h"\nint undeclared_kernel(int x) { return x; }\n')
+    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", src)
+    monkeypatch.setenv("SUPERINFER_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(OSError, match="missing-prototypes"):
+        cpu_kernels.build()
