@@ -22,8 +22,11 @@ The load generator, the workloads and every figure are `bench serve`'s (`replay`
 `load_workload`/`synthetic_items`, `summarize`). The workloads are built once, when the first
 target is ready, with the tokenizer `bench serve` would take against it (`--tokenizer`, else
 that target's served model where its `root` exists here, else the bundled model); every
-target gets the same requests. Writes `compare_<timestamp>.json` and the
-Markdown table beside it as `.md` under `--out-dir`, and prints the table.
+target gets the same requests. `--model PATH` (a larger model, e.g. a `bench synth-model` folder)
+takes the place of `{model}` in every target's start command and model name, builds the prompts
+unless `--tokenizer` says otherwise, and its shape is recorded with the run. Writes
+`compare_<timestamp>.json` and the Markdown table beside it as `.md` under `--out-dir`, and
+prints the table.
 """
 
 from __future__ import annotations
@@ -101,6 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="GGUF or model directory building the prompts (default: the first ready target's served model, "
         "where its GET /v1/models root exists here; else the bundled model)",
     )  # fmt: skip
+    p.add_argument(
+        "--model", type=Path, default=None,
+        help="a model folder or file written for {model} in the targets' start commands and names (default: none)",
+    )  # fmt: skip
     add_sampling_argument(p)
     p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results", help="default %(default)s")
     p.add_argument("--log-dir", type=Path, default=None, help="start commands' output (default: a new temp folder)")
@@ -138,7 +145,34 @@ def usage_error(args: argparse.Namespace) -> str | None:
         return "--rates runs the sharegpt workload: add it to --workloads"
     if unknown := {n for n, _ in args.metrics} - names:
         return f"--metrics for no target: {', '.join(sorted(unknown))}"
+    if args.model is None and any("{model}" in f"{t.start}{t.model}" for t in args.target):
+        return "a target names {model}: give --model PATH"
+    if args.model is not None and not args.model.exists():
+        return f"--model {args.model}: no such file or folder"
     return None
+
+
+def with_model(t: Target, model: Path | None) -> Target:
+    """`t` with `{model}` in its start command and model name replaced by `model`."""
+    if model is None:
+        return t
+    fill = lambda v: None if v is None else v.replace("{model}", str(model))  # noqa: E731
+    return Target(t.name, t.base_url, fill(t.model), fill(t.start))
+
+
+def model_shape(path: Path | None) -> dict | None:
+    """What a reader needs to place the run: the served model's architecture (GGUFs of a
+    `synth-model` folder all have one; the first file with a config is read)."""
+    from shared.modelfile import read_model_config
+
+    if path is None:
+        return None
+    files = [path] if path.is_file() or (path / "config.json").is_file() else sorted(path.glob("*.gguf"))
+    if not files:
+        return {"path": str(path)}
+    cfg = read_model_config(files[0])
+    keys = ("name", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+    return {"path": str(path), **{k: getattr(cfg, k) for k in keys}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,15 +181,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     built: list[Workloads] = []  # by the first target that is ready
 
+    args.target = [with_model(t, args.model) for t in args.target]
+    tokenizer = args.tokenizer or (_tokenizer_of(args.model) if args.model is not None else None)
+
     def workloads(base_url: str, model: str) -> Workloads:
         if not built:
-            built.append(build_workloads(args, tokenizer_path(args.tokenizer, base_url, args.api_key, model)))
+            built.append(build_workloads(args, tokenizer_path(tokenizer, base_url, args.api_key, model)))
         return built[0]
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="superinfer-compare-"))
     results = [run_target(t, workloads, args, log_dir / f"{stamp}-{t.name}.log") for t in args.target]
-    body = {"created": stamp, "config": run_config(args), "targets": results}
+    body = {"created": stamp, "config": run_config(args), "model": model_shape(args.model), "targets": results}
     body["tokenizer_path"] = str(built[0].tokenizer_path) if built else None
     table = markdown(body)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,6 +202,14 @@ def run(args: argparse.Namespace) -> int:
     print(table)
     print(f"wrote {json_path} and {json_path.with_suffix('.md').name}", file=sys.stderr)
     return 0 if all(target_ok(r) for r in results) else 1
+
+
+def _tokenizer_of(model: Path) -> str:
+    """A file or folder of `model` that holds the tokenizer: itself, or a GGUF in it."""
+    if model.is_file() or (model / "config.json").is_file():
+        return str(model)
+    ggufs = sorted(model.glob("*.gguf"))
+    return str(ggufs[0]) if ggufs else str(model)
 
 
 def run_config(args: argparse.Namespace) -> dict:
