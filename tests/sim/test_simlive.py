@@ -3,6 +3,7 @@ and a tiny run against the live server."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -174,43 +175,65 @@ def test_compare_flags_each_p50():
 # ---------------------------------------------------------------- end to end
 
 
-@pytest.mark.slow  # starts the server and serves two small traces (~25 s)
-def test_tiny_run_gives_live_and_simulated_numbers(tmp_path):
-    setting = simlive.Setting(num_requests=6, rate=2.0, max_output_tokens=12, hbm_blocks=64)
-    res = simlive.run_once(setting, tmp_path, micro=json.loads((PROFILE_DIR / "cpu.json").read_text()))
+@pytest.mark.slow  # starts the server and serves three tiny traces (~60 s on two quiet cores)
+def test_a_small_run_on_a_pool_smaller_than_some_prompts_completes(tmp_path):
+    """As on a fresh clone: no results folder yet, and a 12-block pool (192 tokens) that two of
+    the trace's first four ShareGPT requests do not fit: they are left out on both sides (more
+    are sampled), the run completes and writes its JSON and history line."""
+    results = tmp_path / "bench" / "results"
+    p = argparse.ArgumentParser()
+    simlive.add_arguments(p)
+    argv = ["--policies", "fcfs", "--rates", "2", "--num-requests", "4", "--max-output-tokens", "8"]
+    argv += ["--hbm-blocks", "12", "--json", str(results / "simlive.json"), "--history", str(results / "runs.jsonl")]
+    assert simlive.run(p.parse_args(argv)) == 0
+    res = json.loads((results / "simlive.json").read_text())
+    (row,) = res["rows"]
+    assert row["num_left_out"] == 2
     for side in ("live", "sim"):
-        assert res[side]["completed"] == 6
-        for key in ("ttft_p50_ms", "tbt_p50_ms"):
-            assert math.isfinite(res[side][key]) and res[side][key] > 0, (side, key)
+        assert row[side]["completed"] == row[side]["num_requests"] == 4, side
+        assert math.isfinite(row[side]["ttft_p50_ms"]) and row[side]["ttft_p50_ms"] > 0, side
     cal = res["calibration"]
-    assert cal["num_matched"] == 6 and min(cal["num_live_steps"]) > 5  # two calibration traces of 3
-    assert cal["profile"]["live_scale"] > 0 and cal["profile"]["client_latency_ms"] > 0
-    assert all(r > 0 for r in cal["ratios"]) and res["eval_ratio_unused"] > 0
-    assert isinstance(res["within_25pct"], bool) and res["ttft_p50_ratio"] > 0
-    assert "tbt_p50_ms" in simlive.format_table(res)
+    assert cal["profile"]["live_scale"] > 0 and all(r > 0 for r in cal["ratios"])
+    lines = (results / "runs.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["rows"][0]["policy"] == "fcfs"
 
 
-def test_markdown_shows_the_latest_setting_runs_and_their_medians():
-    runs = []
-    for i, (ttft, tbt) in enumerate(((1.1, 0.9), (0.8, 1.0), (1.0, 1.2))):
-        res = {
-            "setting": {**asdict(simlive.Setting()), "seed": 0 if i else 7},
-            "load": [1.0, 2.0],
-            "live": {"ttft_p50_ms": 1000.0, "tbt_p50_ms": 50.0},
-            "sim": {"ttft_p50_ms": 1000.0 * ttft, "tbt_p50_ms": 50.0 * tbt},
-            "ttft_p50_ratio": ttft,
-            "tbt_p50_ratio": tbt,
-            "within_25pct": True,
-            "eval_ratio_unused": 1.1,
-            "calibration": {
-                "profile": {"live_scale": 2.5, "step_gap_ms": 0.2, "client_latency_ms": 8.0},
-                "ratios": [1.0, 1.0],
-            },
+def history_of(rows: list[tuple[str, float, float, float]]) -> dict:
+    """A history line of a run whose rows are (policy, rate, live and sim TTFT attainment)."""
+    cal = {"load": [[1.0, 1.5], [1.5, 2.0]], "ratios": [1.0, 1.0]}
+    res = {"setting": asdict(simlive.Setting()), "calibration": cal}
+    res["calibration"]["profile"] = {"live_scale": 2.5, "step_gap_ms": 0.2, "client_latency_ms": 8.0}
+    res["rows"] = []
+    for policy, rate, live, sim in rows:
+        sides = {
+            "live": dict.fromkeys(simlive.ATTAIN, 0.9) | {"ttft_attainment": live, "num_requests": 16},
+            "sim": dict.fromkeys(simlive.ATTAIN, 0.9) | {"ttft_attainment": sim},
         }
-        res["live"] |= dict.fromkeys(simlive.ATTAIN, 0.5)
-        res["sim"] |= dict.fromkeys(simlive.ATTAIN, 0.5)
-        runs.append(json.loads(json.dumps(simlive.history_line(res))))
+        for side in sides.values():
+            side |= {"ttft_p50_ms": 500.0, "tbt_p50_ms": 60.0}
+        row = {"policy": policy, "rate": rate, "preemptions": [3, 4], "num_left_out": 0, "eval_ratio_unused": 1.0}
+        row |= sides | simlive.compare(dict.fromkeys(simlive.KEYS, 100.0), dict.fromkeys(simlive.KEYS, 100.0))
+        res["rows"].append(row | simlive.points(sides["live"], sides["sim"]))
+    return json.loads(json.dumps(simlive.history_line(res)))
+
+
+def test_points_flag_attainments_more_than_ten_points_apart():
+    live = {"ttft_attainment": 0.5, "tbt_attainment": 0.9, "slo_attainment": None}
+    gaps = simlive.points(live, {"ttft_attainment": 0.625, "tbt_attainment": 0.85, "slo_attainment": 0.4})
+    assert gaps["ttft_points"] == pytest.approx(12.5) and gaps["tbt_points"] == pytest.approx(-5.0)
+    assert gaps["slo_points"] is None and gaps["differs"] is True
+    close = simlive.points(live, {"ttft_attainment": 0.55, "tbt_attainment": 0.9, "slo_attainment": 0.4})
+    assert close["ttft_points"] == pytest.approx(5.0) and close["differs"] is False
+
+
+def test_markdown_shows_the_latest_run_side_by_side(tmp_path):
+    old = {"when": "2026-01-01T00:00", "setting": {}, "ttft_p50_ratio": 1.0}  # the single-run command's
+    first = history_of([("fcfs", 0.3, 1.0, 1.0)])
+    latest = history_of([("fcfs", 0.3, 0.5, 0.625), ("lvf", 1.0, 0.25, 0.3125)])
+    (tmp_path / report_simlive.RUNS_FILE).write_text("\n".join(json.dumps(r) for r in (old, first, latest)) + "\n")
+    runs = report_simlive.load_runs(tmp_path)
+    assert len(runs) == 2
     text = "\n".join(report_simlive.markdown(runs))
-    assert text.count("| 20") == 2  # the first run had another setting
-    assert "**median of 2**" in text and "**0.90**" in text and "**1.10**" in text
-    assert "Not measured" in "\n".join(report_simlive.markdown([]))
+    assert "| fcfs | 0.3 | 3 / 4 | 50 / 62 | +12 |" in text and "| lvf | 1 | 3 / 4 | 25 / 31 | +6 |" in text
+    assert "more than 10 points apart: fcfs at 0.3." in text
+    assert "Not measured" in "\n".join(report_simlive.markdown([old]))
