@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ[log.LOG_FORMAT_ENV] = args.log_format  # this process's services and serve's children
     if args.command == "serve":
+        if args.require_native and (refusal := _native_refusal(args.device)):
+            print(f"superinfer serve: refusing to start: {refusal}", file=sys.stderr)
+            return 2
         from services.supervisor import serve
 
         return serve(args)
@@ -164,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _native_refusal(device: str) -> str | None:
+    from services.worker.service import native_refusal  # torch: only with --require-native
+
+    return native_refusal(device)
+
+
 def _bind_compute_threads(num_ranks: int) -> None:
     """Each of the worker's OpenMP threads stays on its own core, as vLLM's CPU worker binds
     them: a step's threads keep their caches when the gateway and scheduler wake beside them
@@ -178,10 +187,10 @@ def _bind_compute_threads(num_ranks: int) -> None:
 def _build_kernels() -> int:
     """`superinfer kernels build`: the library a first `serve` would compile, built (or found) in
     the cache ($SUPERINFER_CACHE_DIR), so that no pod waits for the compiler at its first request."""
-    from services.worker import cpu_kernels
+    from services.worker import kernel_build
 
     try:
-        path = cpu_kernels.build()
+        path = kernel_build.build()
     except (OSError, subprocess.SubprocessError) as e:
         print(f"native cpu kernels not built: {e}", file=sys.stderr)
         return 1

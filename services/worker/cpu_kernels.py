@@ -1,9 +1,9 @@
-"""Native CPU kernels (csrc/*.c, one file per kernel family), compiled on first use with the
-machine's C compiler into one shared library.
+"""Native CPU kernels (csrc/*.c, one file per kernel family, every exported function declared in
+csrc/kernels.h), compiled with the machine's C compiler into one shared library by
+kernel_build.py: when the package installs, by `superinfer kernels build`, else on first use.
 
 The sources are plain C with OpenMP (no torch headers), so a build takes a few seconds; the
-library is cached under `$SUPERINFER_CACHE_DIR` (default ~/.cache/superinfer), keyed by the
-sources, the flags, the compiler and this CPU's feature flags (`-march=native`). The kernels'
+library is cached under `$SUPERINFER_CACHE_DIR` (default ~/.cache/superinfer). The kernels'
 limits (head sizes, panel widths, tile shapes) come from the library (`kernel_limits`).
 It links libgomp by soname, so inside a process that imported torch it runs on the OpenMP
 runtime torch already loaded, with torch's thread count.
@@ -18,21 +18,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import structlog
 import torch
 
-SOURCE_DIR = Path(__file__).parent / "csrc"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
-# Every warning fails the build (a function without its declaration in kernels.h among them).
-WARNINGS = ("-Wall", "-Wextra", "-Werror=implicit-function-declaration", "-Werror=missing-prototypes", "-Werror")
+from services.worker.kernel_build import build
+
 ENV_SWITCH = "SUPERINFER_CPU_KERNELS"
 LIMITS = ("max_heads", "max_head_dim", "panel", "pf_keys", "pf_rows", "amx_n", "amx_k", "qblock")  # csrc/limits.c
 
@@ -72,13 +66,19 @@ class CpuKernels:
         self._core_latency = _bind(lib.core_latency_ns, [c_int], restype=ctypes.c_double)
         # Absent where the compiler does not target AVX-512 (csrc: small-batch matmul).
         panels = getattr(lib, "linear_panels_f32", None)
-        self._linear = panels and _bind(panels, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int], restype=c_int)
+        self._linear = panels and self.matmul("linear_panels_f32")
         # Absent where the compiler does not target AMX; unused where the OS refuses its state.
         amx = getattr(lib, "linear_amx_bf16x3", None)
         self._amx = None
         if amx is not None and lib.amx_enable():
-            self._amx = _bind(amx, [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int], restype=c_int)
+            self._amx = self.matmul("linear_amx_bf16x3")
             self._pack_amx = _bind(lib.pack_bf16x3, [_ptr, _i64, _i64, _ptr])
+
+    @functools.cache
+    def matmul(self, name: str) -> Callable:
+        """The library's matmul `name` (a linear_fn, csrc/kernels.h), for `_linear`."""
+        c_int = ctypes.c_int
+        return _bind(getattr(self.lib, name), [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, c_int], c_int)
 
     def address(self, name: str) -> int:
         """The address of the library's function `name`, for a native caller (csrc/decode_step.c)."""
@@ -385,41 +385,3 @@ def native_status() -> tuple[bool, str]:
 def for_tensor(t: torch.Tensor) -> CpuKernels | None:
     """The kernels when `t` is a float32 CPU tensor and they could be built, else None."""
     return kernels() if CpuKernels.applies(t) else None
-
-
-def build(name: str = "cpu_kernels") -> Path:
-    """Path of the shared library built from every csrc/*.c for this machine (cached)."""
-    sources = sorted(SOURCE_DIR.glob("*.c"))
-    source = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(SOURCE_DIR.glob("*.[ch]")))
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + WARNINGS).encode(), version.encode(), _cpu_flags()]))
-    cache = Path(os.environ.get("SUPERINFER_CACHE_DIR") or Path.home() / ".cache" / "superinfer") / "kernels"
-    target = cache / f"{name}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = Path(tmp) / target.name
-        done = subprocess.run(
-            [compiler, *FLAGS, *WARNINGS, "-I", str(SOURCE_DIR), "-o", str(built), *map(str, sources), "-lm"],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise OSError(f"{compiler} failed: {done.stderr}")
-        built.replace(target)  # atomic: a concurrent build of the same key writes the same bytes
-    return target
-
-
-def _cpu_flags() -> bytes:
-    """This CPU's feature flags (what -march=native compiles for)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.encode()
-    except OSError:
-        pass
-    return os.uname().machine.encode()

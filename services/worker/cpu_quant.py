@@ -14,7 +14,6 @@ a float32 path instead (weights dequantized in registers, activations unrounded)
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -211,19 +210,11 @@ def kernel_name(packed: PackedQuant) -> str:
     return _KERNELS[packed.kind] + ("_gated" if packed.gated else "")
 
 
-@functools.cache
-def _kernel(name: str):
-    fn = getattr(cpu_kernels.kernels().lib, name)
-    _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]
-    return fn
-
-
 def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) . W^T (+ bias) -> [M, N] float32; gated: [M, N / 2] = silu(gate) * up."""
     out_cols = packed.num_out // 2 if packed.gated else packed.num_out
-    return cpu_kernels._linear(_kernel(kernel_name(packed)), x, packed.data, packed.num_out, bias, out_cols)
+    kernel = cpu_kernels.kernels().matmul(kernel_name(packed))
+    return cpu_kernels._linear(kernel, x, packed.data, packed.num_out, bias, out_cols)
 
 
 def set_float_rows(rows: int) -> int:

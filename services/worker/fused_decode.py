@@ -132,7 +132,7 @@ class FusedDecode:
         status = self._entry(s)
         chooser.record(num_rows, s.threads, time.perf_counter() - start)
         if status == -2:
-            raise IndexError(f"a token id, position, block id or sample row out of range in a {num_rows}-row decode step")
+            raise IndexError(f"a token id, position, block id or sample row out of range in a {num_rows}-row step")
         if status:
             raise MemoryError(f"no memory for the scratch of a {num_rows}-row decode step")
         return logits, list(picked) if pick else None
@@ -146,7 +146,8 @@ class FusedDecode:
                 mms = [m.native(num_rows) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
                 if any(m is None for m in mms):
                     break
-                args.append(LayerArgs(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *(LinearArgs(*m) for m in mms)))
+                norms = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+                args.append(LayerArgs(*norms, *(LinearArgs(*m) for m in mms)))
             self._layers[num_rows] = (LayerArgs * len(args))(*args) if len(args) == len(self.model.layers) else None
         return self._layers[num_rows]
 
@@ -171,7 +172,7 @@ def for_pool(model, kv_pool: torch.Tensor) -> FusedDecode | None:
     cached = model.__dict__.get("_fused")
     if cached is None or cached[0]() is not kv_pool:
         native = cpu_kernels.kernels() if kv_pool.device.type == "cpu" else None
-        fused = FusedDecode(model, native, kv_pool) if native is not None and _qualifies(model, native, kv_pool) else None
+        fused = native and _qualifies(model, native, kv_pool) and FusedDecode(model, native, kv_pool) or None
         cached = model._fused = (weakref.ref(kv_pool), fused)
     return cached[1]
 

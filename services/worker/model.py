@@ -85,26 +85,19 @@ class Linear(nn.Module):
         self.panels = None if panels is None else _param(panels)
         # [in, out]: wherever the panels do not replace it.
         self.weight = _param(weight.t().contiguous()) if panels is None else None
-        self._bands = self._choose()
+        # Which layout multiplies how many rows, chosen once, here: (up to how many rows, the layout's
+        # attribute), in order; the choice changes only at the thresholds.
+        bounds = (self.GEMV_MAX_ROWS, self.TILES_MIN_ROWS - 1, self.PANEL_MAX_ROWS, math.inf)
+        self._bands = [(rows, self._choose(rows)) for rows in bounds]
 
-    def _choose(self) -> list[tuple[float, str]]:
-        """Which layout multiplies how many rows, chosen once, at load: (up to how many rows, the
-        layout's attribute), in order. The choice changes only at the thresholds."""
-
-        def layout(rows: float) -> str:
-            if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
-                return "tiles"
-            if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
-                return "panels"
-            if self.packed is not None and (rows > self.GEMV_MAX_ROWS or self.weight is None):
-                return "packed"
-            return "weight"
-
-        bands: list[tuple[float, str]] = []
-        for rows in sorted({self.GEMV_MAX_ROWS, self.TILES_MIN_ROWS - 1, self.PANEL_MAX_ROWS}) + [math.inf]:
-            bands = bands[:-1] if bands and bands[-1][1] == layout(rows) else bands
-            bands.append((rows, layout(rows)))
-        return bands
+    def _choose(self, rows: float) -> str:
+        if self.tiles is not None and (rows >= self.TILES_MIN_ROWS or self.panels is None):
+            return "tiles"
+        if self.panels is not None and (rows <= self.PANEL_MAX_ROWS or self.packed is None):
+            return "panels"
+        if self.packed is not None and (rows > self.GEMV_MAX_ROWS or self.weight is None):
+            return "packed"
+        return "weight"
 
     def _layout(self, rows: int) -> str:
         return next(name for most, name in self._bands if rows <= most)
@@ -374,11 +367,11 @@ class LlamaModel(nn.Module):
         sample_rows: list[int],
         pick: bool = False,
     ) -> tuple[torch.Tensor, list[int] | None]:
-        """A step of single-token rows, the one place that chooses how a decode step runs: row i
-        is token_ids[i] at positions[i] of a request whose block table is tables[i]. Returns
-        (logits [S, vocab] float32 of `sample_rows`, which the next step may overwrite; where
-        `pick` and the native step ran, each row's argmax, else None). In one native call where it
-        applies (fused_decode.py), else op by op through `forward`: the same bits either way."""
+        """A step of single-token rows (row i: token_ids[i] at positions[i] of a request whose
+        block table is tables[i]), the one place that chooses how one runs: in one native call
+        where it applies (fused_decode.py), else op by op (`forward`), the same bits either way.
+        Returns (logits [S, vocab] of `sample_rows`, which the next step may overwrite; where `pick`
+        and the native call ran, each row's argmax, else None)."""
         fused = fused_decode.for_pool(self, kv_pool) if self.fused_decode else None
         out = fused.run(token_ids, positions, tables, sample_rows, pick) if fused is not None else None
         if out is not None:

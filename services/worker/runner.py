@@ -239,6 +239,7 @@ class ModelRunner:
         logit_rows = sample_rows + [row for _, row, _ in scored] if samples_here else []
         out = StepTokens([], [])
         chosen_ids = [step[i].request_id for i in sampled]
+        new_tokens = None
         if len(token_ids) == len(step):  # decodes alone: the model's `decode` (one native call where it applies)
             pick = samples_here and not self._num_asking and all(is_greedy(reqs[i].params) for i in sample_rows)
             tables = [r.block_table for r in reqs]
@@ -248,7 +249,8 @@ class ModelRunner:
         else:
             with torch.inference_mode():
                 logits = self._forward(step, reqs, token_ids, positions, logit_rows)  # [S + P, V]
-                new_tokens = self._tokens(logits, len(sample_rows), scored, chosen, chosen_ids, out) if samples_here else None
+                if samples_here:
+                    new_tokens = self._tokens(logits, len(sample_rows), scored, chosen, chosen_ids, out)
         if self.group is not None:
             new_tokens = self.group.broadcast_tokens(new_tokens, len(chosen))
         for r, t in zip(chosen, new_tokens):

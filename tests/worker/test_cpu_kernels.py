@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from services.worker import cpu_kernels, model
+from services.worker import cpu_kernels, kernel_build, model
 
 
 @pytest.fixture
@@ -140,9 +140,9 @@ needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which(
 @needs_compiler
 def test_kernels_build_warning_free(tmp_path, monkeypatch):
     """The library builds from an empty cache under -Wall -Wextra with every warning an error
-    (cpu_kernels.WARNINGS): CI fails where a change brings a warning."""
+    (kernel_build.WARNINGS): CI fails where a change brings a warning."""
     monkeypatch.setenv("SUPERINFER_CACHE_DIR", str(tmp_path))
-    assert cpu_kernels.build().is_file()
+    assert kernel_build.build().is_file()
 
 
 @needs_compiler
@@ -151,9 +151,9 @@ def test_a_function_missing_from_the_header_fails_the_build(tmp_path, monkeypatc
     callers') is a build error, not a library."""
     src = tmp_path / "csrc"
     src.mkdir()
-    shutil.copy(cpu_kernels.SOURCE_DIR / "kernels.h", src)
+    shutil.copy(kernel_build.SOURCE_DIR / "kernels.h", src)
     (src / "extra.c").write_text('#include "kernels.h"\nint undeclared_kernel(int x) { return x; }\n')
-    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", src)
+    monkeypatch.setattr(kernel_build, "SOURCE_DIR", src)
     monkeypatch.setenv("SUPERINFER_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(OSError, match="missing-prototypes"):
-        cpu_kernels.build()
+        kernel_build.build()
