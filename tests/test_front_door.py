@@ -89,6 +89,17 @@ def test_no_page_cites_a_result_file():
     assert not citations, citations
 
 
+def test_the_readme_quotes_only_current_runs():
+    """A run the README cites is the current run of some comparison in bench/summary.json: a re-run
+    replaces the row, and an old run's figures cannot linger beside the new ones."""
+    from bench import summary
+
+    current = {e["source"].removesuffix(".json") for e, _ in summary.current_entries(summary.load())}
+    cited = set(re.findall(r"compare_[0-9]{8}-[0-9]{6}(?:\+[0-9]{6})?", (ROOT / "README.md").read_text()))
+    assert cited, "the README cites no run"
+    assert cited <= current, f"not the current run of any comparison: {sorted(cited - current)}"
+
+
 # -- the commands in docs/benchmarks.md ----------------------------------------------------------
 
 SHIM = """
