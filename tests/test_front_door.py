@@ -103,8 +103,8 @@ def test_the_readme_quotes_only_current_runs():
 # -- the commands in docs/benchmarks.md ----------------------------------------------------------
 
 SHIM = """
-superinfer() { python3 -c 'import json, sys; print(json.dumps(["superinfer"] + sys.argv[1:]))' "$@"; }
-bash() { python3 -c 'import json, sys; print(json.dumps(["bash"] + sys.argv[1:]))' "$@"; }
+superinfer() { "$PY" -c 'import json, sys; print(json.dumps(["superinfer"] + sys.argv[1:]))' "$@"; }
+bash() { "$PY" -c 'import json, sys; print(json.dumps(["bash"] + sys.argv[1:]))' "$@"; }
 """
 
 
@@ -115,7 +115,7 @@ def commands_in(page: str) -> list[list[str]]:
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         run = subprocess.run(["bash", "-c", SHIM + block], capture_output=True, text=True, timeout=60,
-                             env={"HOME": "/home/reader", "PATH": "/usr/bin:/bin"})
+                             env={"HOME": "/home/reader", "PATH": "/usr/bin:/bin", "PY": sys.executable})
         assert run.returncode == 0, (block, run.stderr)
         out += [json.loads(line) for line in run.stdout.splitlines()]
     out += [shlex.split(c) for c in re.findall(r"^\| `(superinfer [^`]+)`", text, flags=re.M)]
