@@ -226,13 +226,13 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rates = sorted({r["rate_per_replica"] for r in rows})
-    fig, axes = plt.subplots(len(rates), 3, figsize=(13, 3.4 * len(rates)), squeeze=False)
+    panels = {
+        "cached_token_share": "prompt tokens from cache", "ttft_p50_ms": "TTFT p50 (ms)", "ttft_p90_ms": "TTFT p90 (ms)",
+        "ttft_attainment": "TTFT attainment (5 s)", "tbt_attainment": "TBT attainment (100 ms)",
+    }  # fmt: skip
+    fig, axes = plt.subplots(len(rates), len(panels), figsize=(18, 3.4 * len(rates)), squeeze=False)
     for ax_row, rate in zip(axes, rates):
-        for ax, key, label in zip(
-            ax_row,
-            ("cached_token_share", "ttft_attainment", "tbt_attainment"),
-            ("prompt tokens from cache", "TTFT attainment (5 s)", "TBT attainment (100 ms)"),
-        ):
+        for ax, (key, label) in zip(ax_row, panels.items()):
             for routing in ROUTINGS:
                 pts = sorted((r["replicas"], r[key]) for r in rows if r["routing"] == routing and r["rate_per_replica"] == rate)
                 if pts:
@@ -240,7 +240,10 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("replicas")
             ax.set_title(f"{label}, {rate:g} conv/s per replica", fontsize=9)
-            ax.set_ylim(0, 1.02)
+            if not key.endswith("_ms"):
+                ax.set_ylim(0, 1.02)
+            else:
+                ax.set_ylim(bottom=0)
     axes[0][0].legend(fontsize=8)
     fig.suptitle("Routing across gh200 replicas (simulated, Qwen2.5-32B, ShareGPT conversations)")
     fig.tight_layout()
@@ -258,10 +261,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "results" / "replicas.json")
     p.add_argument("--plot", type=Path, default=HERE / "figures" / "replicas.png")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="run nothing: write --out and --plot from these earlier runs' rows")
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = run_all(args)
+    if args.merge:  # no runs: the rows of earlier ones, in one file and one plot
+        rows = [r for path in args.merge for r in json.loads(path.read_text())["rows"]]
+    else:
+        rows = run_all(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"setting": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
     plot(rows, args.plot)
