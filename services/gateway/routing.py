@@ -10,6 +10,15 @@ entries are not trusted — and the next hello asks for a snapshot. A prompt is 
 the scheduler names it, by the same function (`prefix.extend_hashes`, salted with the model's
 name, in the scheduler's block size).
 
+Why events from the schedulers rather than an index of what this gateway sent where: only the
+scheduler knows what it evicted, what moved to its DRAM tier (a hit there costs a copy, not a
+prefill) and what other gateways sent it; a gateway-side index guesses all three. The events
+cost little (`bench replicas`, gh200, ShareGPT conversations, 8/s per replica): about 9 bytes
+an event, 100-550 events/s per replica (1-5 kB/s on the report channel, ~100 kB/s at 32
+replicas), an index of ~90 bytes an entry (20 MiB for 32 replicas' caches), against the sent-
+index's ~150 inserts/s per replica, which it would save. Its CPU is the prompt's hashing, the
+same chain the scheduler computes (~4 µs a 16-token block here), and a lookup per scheduler.
+
 The score, for a prompt of P tokens whose first H blocks a scheduler holds (D of them in DRAM):
 
     ttft ≈ steps · (a + b · num_running) + b · tokens + D · block_copy_s

@@ -22,9 +22,9 @@ frozen, or cut off) gets them back.
 Routing: `pick()` sends each new request where `--routing` says (routing.py: the cache-aware
 score, documented there once, from each scheduler's load report and its prefix-cache events;
 or the lowest `headroom_score`, headroom.py; or round-robin), ties taken round-robin. Failover
-resubmissions go by headroom. A scheduler leaves the rotation when it has not been heard from for `STALE_AFTER_S` (its load
-reports double as heartbeats) or when a send to it fails (its connection is gone), and comes
-back with its next message.
+resubmissions go by headroom. A scheduler leaves the rotation when it has not been heard from
+for `STALE_AFTER_S` (its load reports double as heartbeats) or when a send to it fails (its
+connection is gone), and comes back with its next message.
 
     pick(prompt_ids, session) -> SchedulerLink    submit(AddRequest, link) -> RequestHandle
     handle.get() -> TokenOutput | RequestError
@@ -228,8 +228,8 @@ class SchedulerClient:
         return [link.stats for link in self.live_links()]
 
     def pick(self, prompt_ids: list[int] | None = None, session: str | None = None) -> SchedulerLink:
-        """Where a new request with this prompt (and session, if any) goes, by `self.routing`
-        (module doc). 503 when no scheduler is reachable, or none has a ready worker."""
+        """Where a new request with this prompt (and session, if any) goes, by the router's
+        routing (routing.py). 503 when no scheduler is reachable, or none has a ready worker."""
         link = self.router.pick(self.links, time.monotonic(), prompt_ids or [], session)
         if link is None:
             now = time.monotonic()
