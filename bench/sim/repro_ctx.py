@@ -80,8 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rerun",
         type=sweep._strs,
         default=None,
-        help="run only these policies (or workloads: sharegpt, lmsys, conversations) again, the other rows taken "
-        "from --results' rows file (after a policy's code changed)",
+        help="run only these policies again, the other rows taken from the last run's full rows in --results "
+        "(after a policy's code changed)",
     )
     p.add_argument(
         "--from-rows",
@@ -231,18 +231,6 @@ def job_key(wl: str, job: sweep.Job) -> str:
     row = {"rate": job.rate, "policy": policy, "transfer_mode": setup.transfer_mode, **fields}
     key = row_key(wl, {**row, "num_hbm_blocks": setup.num_hbm_blocks, "model": setup.model.name})
     return key + f"/{job.seeds}" if job.seeds else key
-
-
-def reuse_rows(ctx: Ctx, record: dict, rerun: set[str], workloads: dict[str, str]) -> None:
-    """Seed `ctx`'s rows with a previous run's (`record`, its rows file), but for the policies
-    or workloads in `rerun`: only their jobs then run again. `workloads`: figure -> workload
-    (conversations where not named)."""
-    for fig, rows in record.items():
-        if fig.startswith(("fig", "ablation", "tier", "calibration")) and isinstance(rows, list):
-            wl = workloads.get(fig, "conversations")
-            for r in rows:
-                if r["policy"] not in rerun and wl not in rerun:
-                    ctx._rows[row_key(wl, r)] = {k: v for k, v in r.items() if k != "variant"}
 
 
 def simulated_records(items: list, setup: engine.SimSetup) -> list[RequestRecord]:

@@ -37,6 +37,7 @@ FIG16 = (*(p for p in ("superinfer-artifact", "lvf-paper", "lvf") if p in POLICI
 MODELS_DEFAULT = ("qwen2.5-32b",)
 MODELS_FULL = ("qwen2.5-32b", "llama3-8b", "mixtral-8x7b")
 DATASETS = ("sharegpt", "lmsys")
+FULL_ROWS = "reproduction_full.json"  # every column of every row, in --results (for --rerun)
 VLLM_BXFER = 300  # the paper's B_xfer on vLLM's swap path (Fig. 17)
 # The policy-agnostic knobs (any policy may take them): all off, or all on, for every policy.
 KNOBS_OFF = {"admit_watermark": 0.0, "slo_chunking": False}
@@ -79,7 +80,22 @@ def equal_setup(ctx: Ctx, policy: str, knobs: dict, model: str, **extra) -> engi
 def labelled(ctx: Ctx, jobs: list[tuple[dict, sweep.Job]], wl: str) -> list[dict]:
     """Each job's row with its labels (policy, knobs, ...) on it."""
     rows = ctx.run([j for _, j in jobs], wl)
-    return [{**r, **lab} for (lab, _), r in zip(jobs, rows)]
+    return [{**r, "sim_policy": r.get("policy"), **lab} for (lab, _), r in zip(jobs, rows)]
+
+
+def reuse_rows(ctx: Ctx, full: dict, rerun: set[str]) -> None:
+    """Seed `ctx` with the rows of the last run (`full`, FULL_ROWS) but for the policies in
+    `rerun`: only their jobs run again."""
+    figures = {k: v for k, v in full.items() if isinstance(v, list) and k != "table1"}
+    figures.update({f"knobs/{k}": v for k, v in full.get("knobs", {}).items()})
+    for fig, rows in figures.items():
+        for r in rows:
+            raw = r.get("sim_policy") or r["policy"]
+            if raw in rerun or r["policy"] in rerun:
+                continue
+            key = repro_ctx.row_key(f"a-{r.get('dataset', 'sharegpt')}", {**r, "policy": raw})
+            bare = {k: v for k, v in r.items() if k not in ("knobs", "dataset", "variant", "sim_policy")}
+            ctx._rows[key if fig == "fig16" else key + "/1"] = {**bare, "policy": raw}
 
 
 def fig16(ctx: Ctx, model: str, dataset: str, knobs: str, rates) -> list[dict]:
@@ -185,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
     ctx = Ctx(args)
     models = MODELS_FULL if args.full else MODELS_DEFAULT
     ctx.pool_rate = {f"a-{ds}": max(max(ARTIFACT_RATES[(m, ds)]) for m in models) for ds in DATASETS}
+    before = json.loads((args.results / FULL_ROWS).read_text()) if args.rerun else None
+    if before:
+        reuse_rows(ctx, before, set(args.rerun))
     figures = args.out.parent / reproduction.FIGURES
     args.results.mkdir(parents=True, exist_ok=True)
     figures.mkdir(parents=True, exist_ok=True)
@@ -193,7 +212,11 @@ def run(args: argparse.Namespace) -> int:
     ctx.execute()
     res = experiments(ctx, args.full)
     res["setting"] = setting_record(ctx, args, time.perf_counter() - t0)
+    if before:  # the whole run's time stays the first run's; the rerun is told apart
+        rerun = {k: res["setting"][k] for k in ("seconds", "cpu_seconds", "num_runs")}
+        res["setting"].update({k: before["setting"][k] for k in rerun}, rerun={"policies": args.rerun, **rerun})
     write_csvs(res, args.results)
+    (args.results / FULL_ROWS).write_text(json.dumps(res))
     record = reproduction.compact(res)
     record["simlive"] = simlive.load_runs(args.results)
     args.rows.write_text(json.dumps(record, indent=0, separators=(",", ":")) + "\n")
