@@ -156,6 +156,15 @@ def prefix_line(st: p.SchedulerStats) -> str:
     )
 
 
+def kernels_line(st: p.SchedulerStats) -> str:
+    """Whether the worker runs its native kernels: without them every step is 5-10x slower."""
+    if not st.worker_ready:
+        return "kernels    - (no worker)"
+    if not st.native_missing:
+        return "kernels    native (or a GPU worker)"
+    return f"kernels    NOT NATIVE ({st.native_missing}): every step runs on the torch path, 5-10x slower"
+
+
 def summary(s: p.StatsReply) -> list[str]:
     """The stats/top header: load, pools, counters, and the last minute."""
     st, w = s.stats, s.window
@@ -176,6 +185,7 @@ def summary(s: p.StatsReply) -> list[str]:
         f"kv blocks  hbm {used(st.num_hbm_blocks, st.num_free_hbm_blocks)}"
         f"  dram {used(st.num_dram_blocks, st.num_free_dram_blocks)}" + tier,
         prefix_line(st),
+        kernels_line(st),
         f"totals     steps {s.num_steps}  preemptions {st.num_preemptions} (recompute {st.num_recomputes})"
         f"  rotations out {st.num_rotations_out} in {st.num_rotations_in}"
         f"  blocks in {st.num_blocks_swapped_in} out {st.num_blocks_swapped_out} mirrored {st.num_blocks_mirrored}",

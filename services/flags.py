@@ -201,6 +201,12 @@ def worker_args(p: argparse.ArgumentParser) -> None:
         "(seconds per GiB on a CPU; device and pinned memory always are)",
     )
     g.add_argument(
+        "--require-native",
+        action="store_true",
+        help="on a CPU, refuse to start unless the native kernels (C, AVX-512) are built and load: without "
+        "them every step runs on the torch path, 5-10x slower (a C compiler and `superinfer kernels build`)",
+    )
+    g.add_argument(
         "--block-size", type=int, default=config.DEFAULT_BLOCK_SIZE, help="tokens per KV block (default %(default)s)"
     )
     g.add_argument(

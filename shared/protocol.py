@@ -231,6 +231,8 @@ class SchedulerStats(_Msg, tag="stats"):
     # a gateway that sees a gap asks for a snapshot (`GatewayHello.want_cache`).
     cache_seq: int = 0
     cache: CacheEvents | None = None
+    # The ready worker's `WorkerReady.native_missing`: why it runs without its native kernels.
+    native_missing: str = ""
 
 
 GatewayReply = StepOutputs | RequestError | SchedulerStats
@@ -295,6 +297,9 @@ class WorkerReady(_Msg, tag="ready"):
     vocab_size: int = 0  # 0: not reported (prompt ids are then not checked)
     worker_id: str = ""  # this worker process (new with every start)
     copy_gbps: float = 0.0  # DRAM->HBM copy bandwidth measured at start (0: not measured)
+    # Why this CPU worker runs its steps on the torch path, 5-10x slower than its native kernels
+    # (no C compiler, a failed build, no AVX-512, turned off); "" where they run, or on a GPU.
+    native_missing: str = ""
 
 
 class StepTimings(_Data):

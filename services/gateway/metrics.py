@@ -56,6 +56,12 @@ class GatewayMetrics:
         self.rotary = g("superinfer:num_requests_rotary", "Requests paused with KV in DRAM")
         self.free_blocks = g("superinfer:kv_free_blocks", "Free KV blocks", ["tier"])
         self.total_blocks = g("superinfer:kv_total_blocks", "KV blocks", ["tier"])
+        self.native = g(
+            "superinfer:native_kernels",
+            "1 where a scheduler's worker runs its native kernels (or a GPU), 0 where every step runs on "
+            "the torch path, 5-10x slower (reason: why)",
+            ["scheduler_id", "reason"],
+        )
         self._stats: list[SchedulerStats] = []
         r.register(_SchedulerCounters(lambda: self._stats))
         self.exposed = Exposed(r)  # every series with model_name, once the app sets it
@@ -88,6 +94,10 @@ class GatewayMetrics:
         self.free_blocks.labels(tier="dram").set(sum(s.num_free_dram_blocks for s in stats))
         self.total_blocks.labels(tier="hbm").set(sum(s.num_hbm_blocks for s in stats))
         self.total_blocks.labels(tier="dram").set(sum(s.num_dram_blocks for s in stats))
+        self.native.clear()
+        for s in stats:
+            if s.worker_ready:
+                self.native.labels(scheduler_id=s.scheduler_id, reason=s.native_missing).set(int(not s.native_missing))
 
 
 class _SchedulerCounters:

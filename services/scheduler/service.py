@@ -429,6 +429,7 @@ class SchedulerService:
             draining=self.draining,
             worker_id=w.worker_id if w and self.core else "",
             block_size=w.block_size if w else 0,
+            native_missing=w.native_missing if w else "",
             **fields,
             cache_seq=self.cache_report.seq,
             cache=cache,

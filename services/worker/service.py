@@ -51,6 +51,7 @@ from shared.log import setup_logging
 from shared.modelfile import ModelConfig, read_model_config, resolve_model_path
 
 RESET = object()  # the step thread's marker: a (new) scheduler connected
+SLOW_PATH = "every step runs on the torch path, 5-10x slower"
 BUSY_EVERY_S = 1.0  # while a step computes, the socket thread says so this often (WorkerBusy)
 
 
@@ -207,6 +208,25 @@ def resolve_device(name: str) -> torch.device:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def native_missing(device: torch.device) -> str:
+    """Why a worker on `device` runs without its native CPU kernels (no compiler, a failed build,
+    no AVX-512, turned off); "" where they run, or on a GPU. Builds or loads them."""
+    if device.type != "cpu":
+        return ""
+    ok, why = cpu_kernels.native_status()
+    return why or ("" if ok else "unavailable")
+
+
+def native_refusal(device_name: str) -> str | None:
+    """`--require-native`'s message where the native kernels are missing, else None."""
+    if not (why := native_missing(resolve_device(device_name))):
+        return None
+    return (
+        f"--require-native: the native CPU kernels are not in use ({why}); without them {SLOW_PATH}. "
+        "Install a C compiler and run `superinfer kernels build`, or start without --require-native"
+    )
+
+
 def resolve_dtype(name: str, device: torch.device, path: Path | None = None, ranks: int = 1) -> torch.dtype | str:
     """`--dtype`. auto: bfloat16 on CUDA (a 32B model's weights and KV fit); on a CPU, a quantized
     GGUF as it is ("gguf", as llama.cpp serves the file) where the int8 kernels run (AVX512-VNNI)
@@ -267,8 +287,7 @@ def build_worker(
         num_hbm, num_dram = group.min_int(num_hbm), group.min_int(num_dram)
     pools = KVPools(spec, num_hbm, num_dram, device, prefault=args.kv_prefault)
     engine = TransferEngine(pools, args.transfer_mode)
-    if device.type == "cpu":
-        cpu_kernels.kernels()  # built (or loaded) now, not during the first step
+    missing = native_missing(device)  # the kernels built (or loaded) now, not during the first step
     runner = ModelRunner(model, cfg, pools.hbm, args.block_size, device, group, GrammarCompiler(path))
     ready = p.WorkerReady(
         model_name=cfg.name,
@@ -281,6 +300,7 @@ def build_worker(
         vocab_size=cfg.vocab_size,
         worker_id=args.worker_id or uuid.uuid4().hex[:12],
         copy_gbps=measure_copy_gbps(engine, spec.block_bytes),
+        native_missing=missing,
     )
     return runner, engine, ready
 
@@ -323,6 +343,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if faults.enabled:
         log.warning("fault injection is on", spec=os.environ.get(FAULTS_ENV))
+    if args.require_native and (refusal := native_refusal(args.device)):
+        log.error("refusing to start", reason=refusal)
+        return 2
     device = resolve_device(args.device)
     num_ranks = args.tp
     t0 = time.perf_counter()
@@ -337,6 +360,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         runner, engine, ready = build_worker(args, device, group)
         log.info("model loaded", model=ready.model_name, tp=num_ranks, seconds=round(time.perf_counter() - t0, 2))
+        if ready.native_missing:
+            log.warning(f"native CPU kernels not in use: {SLOW_PATH}", reason=ready.native_missing)
         execute = StepExecutor(runner, engine, faults)
         if group is not None:
             execute = tp.DriverExecutor(execute, group, ranks)

@@ -119,3 +119,15 @@ def test_summary_and_top_frame_fit_the_terminal():
     frame = admin_cli.top_frame(reply, rows, "tcp://x", columns=60, lines=20)
     assert len(frame) <= 20 and all(len(line) <= 60 for line in frame)
     assert frame[-1].startswith("... ") and "more" in frame[-1]
+
+
+def test_stats_says_when_the_worker_runs_without_its_native_kernels():
+    why = "no C compiler (cc or gcc) on PATH"
+    stats = p.SchedulerStats("sched-1", "toy", 256, 0, 0, 0, 10, 10, 100, 100, native_missing=why)
+    reply = p.StatsReply(stats, p.WindowStats(60.0), "lvf", 5.0, 0.1, 42.0)
+    lines = admin_cli.summary(reply)
+    assert f"kernels    NOT NATIVE ({why}): every step runs on the torch path, 5-10x slower" in lines
+    stats.native_missing = ""
+    assert "kernels    native (or a GPU worker)" in admin_cli.summary(reply)
+    stats.worker_ready = False
+    assert "kernels    - (no worker)" in admin_cli.summary(reply)
