@@ -62,7 +62,7 @@ from bench.live.server import REPO, start_server
 from bench.live.workload import WorkItem, draw_arrivals, load_workload
 from bench.report.metrics import summarize
 from bench.sim import calibrate, engine
-from bench.sim.costmodel import MODELS, PROFILE_DIR, hardware_from_dict
+from bench.sim.costmodel import MODELS, PROFILE_DIR, StepWork, hardware_from_dict
 from bench.sim.replay import LiveRun, Pools, Served, live_profile, serve_trace, served_ratio, step_gap_s
 from services.cli import build_parser
 from services.scheduler.core import POLICIES, SchedulerConfig
@@ -175,12 +175,22 @@ def calibrate_live(traces: list[Trace], pools: Pools, micro: dict) -> dict:
     return {
         "profile": profile,
         "ratios": [served_ratio(s.samples, profile) for s in served],
+        # Served over calibrated compute of the steps that prefill and of the decode-only ones:
+        # one scale prices both only if these agree (the evaluated traces' are in their rows).
+        "ratio_by_kind": ratio_by_kind([x for s in served for x in s.samples], profile),
         "num_live_steps": [len(t.run.steps) for t in traces],
         "replay_same_samples": [s.same for s in served],
         "num_matched": len(latencies),
         "live": [summarize_trace(t) for t in traces],
         "load": [t.run.load for t in traces],
     }
+
+
+def ratio_by_kind(samples: list[tuple[StepWork, float]], profile: dict) -> dict:
+    """Served over `profile`'s compute, apart for steps with prefill tokens and decode-only steps."""
+    kinds = {"prefill": [x for x in samples if x[0].num_prefill_tokens]}
+    kinds["decode"] = [x for x in samples if not x[0].num_prefill_tokens]
+    return {k: served_ratio(v, profile) if v else None for k, v in kinds.items()}
 
 
 def summarize_trace(t: Trace) -> dict:
@@ -295,7 +305,8 @@ def cell_row(t: Trace, num_preempted: int, num_left_out: int, profile: dict, poo
         "steps": [len(t.run.steps), len(srun.step_ms)],
         "load": list(t.run.load),
         # Not used by the simulator: the evaluated steps against the calibrated model (the drift).
-        "eval_ratio_unused": served_ratio(t.served(pools).samples, profile),
+        "eval_ratio_unused": served_ratio(samples := t.served(pools).samples, profile),
+        "eval_ratio_by_kind": ratio_by_kind(samples, profile),
     }
     return res | compare(res["live"], res["sim"]) | points(res["live"], res["sim"])
 
@@ -369,7 +380,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=d.num_requests, help="per trace (default %(default)s)")
     p.add_argument("--calib-rate", type=float, default=d.rate, help="the calibration traces' (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="the evaluated traces (default %(default)s)")
-    p.add_argument("--calib-seed", type=int, default=d.calib_seed, help="calibration: it and the next (default %(default)s)")
+    p.add_argument("--calib-seed", type=int, default=d.calib_seed, help="calibration: it, +1 (default %(default)s)")
     p.add_argument("--max-output-tokens", type=int, default=d.max_output_tokens, help="cap (default %(default)s)")
     p.add_argument("--ttft-slo", type=float, default=d.ttft_slo, help="S_F, seconds (default %(default)s)")
     p.add_argument("--tbt-slo", type=float, default=d.tbt_slo, help="S_B, seconds (default %(default)s)")
@@ -407,6 +418,9 @@ def run(args: argparse.Namespace) -> int:
     cal = res["calibration"]
     same = "/".join(f"{100 * x:.0f}%" for x in cal["replay_same_samples"])
     print(f"calibration: {describe_profile(cal['profile'])}; replayed steps sampling as live: {same}")
+    kind = lambda d: "/".join("n/a" if d[k] is None else f"{d[k]:.2f}" for k in ("prefill", "decode"))  # noqa: E731
+    by_kind = ", ".join(kind(r["eval_ratio_by_kind"]) for r in res["rows"])
+    print(f"served / calibrated compute, steps with prefill / decode-only: {kind(cal['ratio_by_kind'])}; {by_kind}")
     before, after = cal["ratios"][0], cal["ratios"][-1]
     drift = ", ".join(f"{r['eval_ratio_unused']:.2f}" for r in res["rows"])
     print(
