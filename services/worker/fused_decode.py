@@ -75,7 +75,7 @@ class FusedDecode:
 
     def __init__(self, model, native, kv_pool: torch.Tensor):
         cfg, first = model.cfg, model.layers[0]
-        self.model, self.kv_pool = model, kv_pool
+        self.model = model  # not the pool: for_pool keeps a step per live pool (a weak reference)
         self._entry = native.lib.decode_step_f32
         self._entry.restype, self._entry.argtypes = ctypes.c_int, [ctypes.POINTER(Step)]
         num_blocks, _, _, block_size, _, _ = kv_pool.shape
