@@ -322,14 +322,14 @@ def format_rows(res: dict) -> str:
     pct = lambda v: "  n/a" if v is None else f"{100 * v:5.1f}"  # noqa: E731
     num = lambda v: "n/a" if v is None else f"{v:.0f}"  # noqa: E731
     lines = [
-        f"{'policy':<10}{'req/s':>6}  {'preempt':>9}  {'TTFT% live  sim     Δ':>22}  {'TBT% live  sim     Δ':>21}"
+        f"{'policy':<20}{'req/s':>6}  {'preempt':>9}  {'TTFT% live  sim     Δ':>22}  {'TBT% live  sim     Δ':>21}"
         f"  {'TTFT p50 ms':>14}  {'TBT p50 ms':>11}"
     ]
     for r in res["rows"]:
         lv, sm = r["live"], r["sim"]
         flag = f"  >{POINTS} points" if r["differs"] else ""
         lines.append(
-            f"{r['policy']:<10}{r['rate']:>6g}  {r['preemptions'][0]:>4}/{r['preemptions'][1]:<4}"
+            f"{r['policy']:<20}{r['rate']:>6g}  {r['preemptions'][0]:>4}/{r['preemptions'][1]:<4}"
             f"  {pct(lv['ttft_attainment']):>10} {pct(sm['ttft_attainment'])} {r['ttft_points']:+6.1f}"
             f"  {pct(lv['tbt_attainment']):>9} {pct(sm['tbt_attainment'])} {r['tbt_points']:+6.1f}"
             f"  {num(lv['ttft_p50_ms']):>6}/{num(sm['ttft_p50_ms']):<7}"
