@@ -134,8 +134,8 @@ def reproduction_figures(res: dict, out_dir: Path) -> None:
         slug = model.lower().replace(".", "").replace("-", "")
         fig.savefig(out_dir / f"fig16_{slug}_{ds}.png", dpi=100, bbox_inches="tight")
         plt.close(fig)
-    knobs = res.get("knobs", {})
-    if knobs:
+    knobs = {k: rows for k, rows in res.get("knobs", {}).items() if rows}
+    if len(knobs) > 1:
         fig, axes = plt.subplots(1, len(knobs), figsize=(4 * len(knobs), 3.5))
         for ax, (knob, rows) in zip(axes, knobs.items()):
             for p in ("lvf-paper", "lvf"):

@@ -21,6 +21,7 @@ HOLDS, OURS, FAILS, UNTESTED, CIRCULAR = (
     "holds", "holds only with our additions", "fails", "not tested (no memory pressure arose)", "circular",
 )  # fmt: skip
 VERDICTS = (HOLDS, OURS, FAILS, UNTESTED, CIRCULAR)
+NOT_RUN = "not tested (not run in this revision)"
 LEAD, TBT_TIE, SEVERE = 5.0, 5.0, 10.0  # points
 PAPER_LEAD, PAPER_THROUGHPUT = 74.7, 29.2  # "up to 74.7 points" (Fig. 16), "up to +29.2%" (Fig. 23)
 SUPERINFER = ("superinfer-artifact", "lvf-paper", "lvf")  # the authors' code, the paper's text, ours
@@ -180,6 +181,8 @@ def fig1_claim(res: dict) -> list[str]:
     rows = res["fig1"]
     wf, sf = one(rows, policy="wf"), one(rows, policy="sf")
     where = "Qwen2.5-32B, ShareGPT, top rate"
+    if not (wf and sf):
+        return ["Fig. 1: WF better TTFT, SF better TBT (a trade-off)", where, "—", NOT_RUN]
     if not (wf and sf) or not pressured([wf, sf]):
         return ["Fig. 1: WF better TTFT, SF better TBT (a trade-off)", where, "no preemption", UNTESTED]
     d_ttft = 100 * (wf["ttft_attainment"] - sf["ttft_attainment"])
@@ -192,11 +195,13 @@ def fig17_claim(res: dict) -> list[str]:
     rows, parts, ok = res["fig17"], [], {}
     for p in ("lvf-paper", "lvf"):
         duplex = one(rows, policy=p, transfer_mode="duplex")
-        drops = [100 * (duplex["tbt_attainment"] - r["tbt_attainment"]) for r in sel(rows, policy=p, transfer_mode="vllm")]
-        if duplex and drops:
+        drops = [100 * (duplex["tbt_attainment"] - r["tbt_attainment"]) for r in sel(rows, policy=p, transfer_mode="vllm")] if duplex else []
+        if drops:
             ok[p] = min(drops) >= SEVERE
             parts.append(f"{name(p)}: TBT {min(drops):.1f}–{max(drops):.1f} points below DuplexKV")
     where = "Qwen2.5-32B, ShareGPT, top rate, B_xfer 300 and 2400"
+    if not parts:
+        return ["Fig. 17: RotaSched on vLLM's swap path: TBT collapses", where, "—", NOT_RUN]
     if not pressured(rows):
         return ["Fig. 17: RotaSched on vLLM's swap path: TBT collapses", where, "no preemption", UNTESTED]
     v = HOLDS if ok.get("lvf-paper") else (OURS if ok.get("lvf") else FAILS)
@@ -216,6 +221,9 @@ def sweep_claims(res: dict) -> list[list[str]]:
     for knob, (claim, key, sign) in SWEEP_CLAIMS.items():
         rows = res["knobs"].get(knob, [])
         where = "Qwen2.5-32B, ShareGPT, top rate, 1 seed"
+        if len({r["policy"] for r in rows}) < 2 and len(rows) < 2:
+            out.append([claim, where, "—", NOT_RUN])
+            continue
         if not pressured(rows):
             out.append([claim, where, "no preemption", UNTESTED])
             continue
@@ -288,6 +296,11 @@ def setting_section(res: dict) -> list[str]:
     every = "; ".join(f"{k} {', '.join(f'{r:g}' for r in v)}" for k, v in st["artifact_rates"].items())
     sched = st["scheduler"]
     took = f"{st['seconds'] / 60:.1f} min wall ({st['cpu_seconds'] / 60:.0f} CPU-min, {st['jobs']} processes, {st['num_runs']} runs)"
+    if st.get("num_missing"):
+        took += (
+            f"; {st['num_missing']} planned runs were left out at the `--max-minutes {st['max_minutes']:g}` deadline "
+            "(the machine's two cores were shared): each row's seeds column says how many seeds it has"
+        )
     if st.get("rerun"):
         r = st["rerun"]
         took += f"; then {', '.join(r['policies'])} run again after a change to its code ({r['seconds'] / 60:.1f} min, {r['num_runs']} runs)"
@@ -346,9 +359,10 @@ def pressured_table(rows: list[dict]) -> list[str]:
         body.append([
             f"{r['rate']:g}", label(r["policy"]), cell(r, "ttft_attainment"), cell(r, "tbt_attainment"),
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['tbt_p99_ms']:.0f}", f"{r['throughput_tok_s']:.0f}",
-            f"{r['num_preemptions']:.0f} ({r.get('num_preemptions_min', r['num_preemptions']):.0f})",
+            f"{r['num_preemptions']:.0f} ({r.get('num_preemptions_min', r['num_preemptions']):.0f})", str(r.get("seeds", 1)),
         ])  # fmt: skip
-    head = ["req/s", "policy", "TTFT att. (spread)", "TBT att. (spread)", "TTFT p50 / p99 ms", "TBT p99 ms", "tok/s", "preempt. mean (min)"]
+    head = ["req/s", "policy", "TTFT att. (spread)", "TBT att. (spread)", "TTFT p50 / p99 ms", "TBT p99 ms", "tok/s",
+            "preempt. mean (min)", "seeds"]  # fmt: skip
     return table(head, body)
 
 
@@ -403,7 +417,7 @@ def variant_table(rows: list[dict]) -> list[str]:
 
 def ablation_section(res: dict) -> list[str]:
     abl = res["ablation"]
-    rate = abl[0]["rate"] if abl else 0
+    rate = abl[0]["rate"] if abl else 20
     out = [
         f"## Ablations (Qwen2.5-32B, ShareGPT, {rate:g} req/s, first seed)",
         "",

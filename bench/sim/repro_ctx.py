@@ -12,11 +12,13 @@ while the figure's last run finishes.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import replace
 from pathlib import Path
 
@@ -104,6 +106,11 @@ class Ctx:
         self._planned: dict[str, tuple[str, sweep.Job]] = {}
         self._rows: dict[str, dict] = {}  # rows by job key
         self._items: dict[str, dict[int, list]] = {}
+        self.cache: dict[str, dict] = {}  # "job key|seed" -> that run's row
+        self.cache_path: Path | None = None
+        self.num_missing = 0  # runs left out at the deadline
+        self._attempted: set[str] = set()
+        self.deadline: float | None = None  # perf_counter time after which pending runs are dropped
 
     @property
     def items(self) -> list:
@@ -164,13 +171,13 @@ class Ctx:
         """One row per job on workload `wl`: its mean over the seeds, with the spreads
         (rows.mean_rows). A job run before (the same workload, rate and setup in another figure)
         is not run again. While `planning`, the jobs are only collected and the rows are empty."""
-        new = {k: j for j in jobs if (k := job_key(wl, j)) not in self._rows}
+        new = {k: j for j in jobs if (k := job_key(wl, j)) not in self._rows and k not in self._attempted}
         if self.planning:
             self._planned.update({k: (wl, j) for k, j in new.items()})
             return [{} for _ in jobs]
         if new:
             self._execute([(wl, k, j) for k, j in new.items()])
-        return [self._rows[job_key(wl, j)] for j in jobs]
+        return [self._rows.get(job_key(wl, j)) for j in jobs]
 
     def execute(self) -> None:
         """Run every job collected while planning, all in one pool."""
@@ -178,30 +185,65 @@ class Ctx:
         self._execute([(wl, k, j) for k, (wl, j) in planned.items()])
 
     def _execute(self, jobs: list[tuple[str, str, sweep.Job]]) -> None:
+        """Run `jobs` once per seed, in the order given (the figures' priority), each run's row
+        appended to the cache file as it completes (`--resume` starts from it); runs still
+        pending at the deadline are dropped, and a job's row is the mean over the seeds that
+        ran (its `seeds` says how many)."""
         t0 = time.perf_counter()
-        args, tags = [], []
-        for wl, key, job in jobs:
-            for seed, items in list(self.items_for(wl).items())[: job.seeds or None]:
+        todo, wanted = [], {}
+        self._attempted.update(key for _, key, _ in jobs)
+        for n, (wl, key, job) in enumerate(jobs):
+            for k, (seed, items) in enumerate(list(self.items_for(wl).items())[: job.seeds or None]):
+                wanted.setdefault(key, []).append(seed)
+                if f"{key}|{seed}" in self.cache:
+                    continue
                 bare = [replace(it, prompt="") for it in items]  # the text is not simulated; keep pickles small
                 timed = workload.draw_arrivals(bare, job.rate, 1.0, seed)
                 if wl.startswith("a-"):  # the harness's 120-s Poisson trace
                     timed = [it for it in timed if it.arrival_s < DURATION_S]
-                args.append((timed, job.setup, job.rate, *SLOS))
-                tags.append((key, _cost(wl, job)))
-        order = sorted(range(len(args)), key=lambda i: -tags[i][1])  # the longest first
-        self.num_runs += len(args)
-        if self.args.jobs <= 1 or len(args) == 1:
-            done = [sweep.run_one(*args[i]) for i in order]
-        else:
-            with ProcessPoolExecutor(self.args.jobs) as pool:
-                done = list(pool.map(sweep.run_one, *zip(*(args[i] for i in order))))
-        by_key: dict[str, list[dict]] = {}
-        for i, row in zip(order, done):
-            by_key.setdefault(tags[i][0], []).append(row)
-        for key, rows in by_key.items():  # mean_rows takes one list of rows per seed
-            self._rows[key] = mean_rows([[r] for r in rows])[0]
+                # every job's first seed, then the all-seed jobs' second, the one-seed jobs, the rest
+                todo.append((k + 1.5 * bool(job.seeds), n, f"{key}|{seed}", (timed, job.setup, job.rate, *SLOS)))
+        todo = [(tag, a) for *_, tag, a in sorted(todo, key=lambda t: t[:2])]
+        self.num_runs += len(todo)
+        left = lambda: None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())  # noqa: E731
+        if self.args.jobs <= 1:
+            for tag, a in todo:
+                if left() == 0.0:
+                    break
+                self._done(tag, sweep.run_one(*a))
+        elif todo:
+            pool = ProcessPoolExecutor(self.args.jobs)
+            futures = {pool.submit(sweep.run_one, *a): tag for tag, a in todo}
+            try:
+                for f in as_completed(futures, timeout=left()):
+                    self._done(futures[f], f.result())
+            except FuturesTimeout:
+                print("  deadline: the runs still pending are left out", file=sys.stderr)
+            pool.shutdown(wait=False, cancel_futures=True)
+        for key, seeds in wanted.items():  # mean_rows takes one list of rows per seed
+            rows = [self.cache[t] for s in seeds if (t := f"{key}|{s}") in self.cache]
+            self.num_missing += len(seeds) - len(rows)
+            if rows:
+                self._rows[key] = mean_rows([[r] for r in rows])[0]
         took = time.perf_counter() - t0
-        print(f"  {len(jobs)} jobs x {len(self.seeds)} seeds in {took:.0f} s", file=sys.stderr)
+        print(f"  {len(jobs)} jobs, {len(todo)} runs in {took:.0f} s", file=sys.stderr)
+
+    def _done(self, tag: str, row: dict) -> None:
+        self.cache[tag] = row
+        if self.cache_path is not None:
+            with self.cache_path.open("a") as f:
+                f.write(json.dumps({"tag": tag, "row": row}) + "\n")
+
+    def load_cache(self, path: Path, resume: bool) -> None:
+        """Runs completed before (`resume`: read them from `path`); new ones are appended."""
+        self.cache_path = path
+        if resume and path.is_file():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    e = json.loads(line)
+                    self.cache[e["tag"]] = e["row"]
+        elif path.is_file():
+            path.unlink()
 
     def records(self, setups: list[engine.SimSetup], rate: float) -> list[list[RequestRecord]]:
         """Each setup's requests in one run on the first seed's conversations (the CDFs of

@@ -37,7 +37,8 @@ FIG16 = (*(p for p in ("superinfer-artifact", "lvf-paper", "lvf") if p in POLICI
 MODELS_DEFAULT = ("qwen2.5-32b",)
 MODELS_FULL = ("qwen2.5-32b", "llama3-8b", "mixtral-8x7b")
 DATASETS = ("sharegpt", "lmsys")
-FULL_ROWS = "reproduction_full.json"  # every column of every row, in --results (for --rerun)
+FULL_ROWS = "reproduction_full.json"
+RUNS_CACHE = "reproduction_runs.jsonl"  # each run's row as it completes, in --results (for --resume)  # every column of every row, in --results (for --rerun)
 VLLM_BXFER = 300  # the paper's B_xfer on vLLM's swap path (Fig. 17)
 # The policy-agnostic knobs (any policy may take them): all off, or all on, for every policy.
 KNOBS_OFF = {"admit_watermark": 0.0, "slo_chunking": False}
@@ -80,7 +81,7 @@ def equal_setup(ctx: Ctx, policy: str, knobs: dict, model: str, **extra) -> engi
 def labelled(ctx: Ctx, jobs: list[tuple[dict, sweep.Job]], wl: str) -> list[dict]:
     """Each job's row with its labels (policy, knobs, ...) on it."""
     rows = ctx.run([j for _, j in jobs], wl)
-    return [{**r, "sim_policy": r.get("policy"), **lab} for (lab, _), r in zip(jobs, rows)]
+    return [{**r, "sim_policy": r.get("policy"), **lab} for (lab, _), r in zip(jobs, rows) if r is not None]
 
 
 def reuse_rows(ctx: Ctx, full: dict, rerun: set[str]) -> None:
@@ -99,12 +100,13 @@ def reuse_rows(ctx: Ctx, full: dict, rerun: set[str]) -> None:
 
 
 def fig16(ctx: Ctx, model: str, dataset: str, knobs: str, rates) -> list[dict]:
-    """Fig. 16: every system at `rates`, the policy-agnostic knobs all `knobs` (off/on)."""
+    """Fig. 16: every system at `rates` (the highest first), the policy-agnostic knobs all
+    `knobs` (off/on)."""
     kv = KNOBS_ON if knobs == "on" else KNOBS_OFF
     jobs = [
         ({"policy": p, "knobs": knobs, "dataset": dataset, "model": MODELS[model].name}, sweep.Job(r, equal_setup(ctx, p, kv, model)))
+        for r in sorted(rates, reverse=True)
         for p in systems(model)
-        for r in rates
     ]
     return labelled(ctx, jobs, f"a-{dataset}")
 
@@ -201,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
     ctx = Ctx(args)
     models = MODELS_FULL if args.full else MODELS_DEFAULT
     ctx.pool_rate = {f"a-{ds}": max(max(ARTIFACT_RATES[(m, ds)]) for m in models) for ds in DATASETS}
+    ctx.load_cache(args.results / RUNS_CACHE, args.resume)
+    if args.max_minutes:
+        ctx.deadline = t0 + 60 * args.max_minutes
     before = json.loads((args.results / FULL_ROWS).read_text()) if args.rerun else None
     if before:
         reuse_rows(ctx, before, set(args.rerun))
@@ -255,6 +260,8 @@ def setting_record(ctx: Ctx, args: argparse.Namespace, seconds: float) -> dict:
         "jobs": args.jobs,
         "full": args.full,
         "num_runs": ctx.num_runs,
+        "num_missing": ctx.num_missing,
+        "max_minutes": args.max_minutes,
         "seeds": ctx.seeds,
         "duration_s": DURATION_S,
         "slos": list(SLOS),
@@ -293,6 +300,13 @@ def write_csvs(res: dict, out: Path) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     repro_ctx.add_arguments(p)
     p.add_argument("--full", action="store_true", help="every artifact rate, and Llama-3-8B and Mixtral-8x7B too")
+    p.add_argument("--resume", action="store_true", help="reuse the runs an interrupted run completed (--results)")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=0,
+        help="drop the runs still pending after this long and render what ran (the page says so); 0: no limit",
+    )
     p.add_argument("--rows", type=Path, default=reproduction.ROWS, help="the compact rows the page renders from (in git)")
 
 
