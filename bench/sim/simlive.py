@@ -39,8 +39,9 @@ steps: few of those steps prefill, so a refit leaves the prefill cost (hence TTF
 and decode count and KV read move together; under other load the micro-benchmark itself
 swings (its fit is kept from a quiet moment: `--step-model`).
 Outputs are capped at `--max-output-tokens` and traces are short (16 requests) so that the
-12 served traces and two calibration traces fit in about 12 minutes; a request is 6 points of
-a trace's TTFT attainment. On 64 blocks the simulator puts capacity near 0.45 req/s (fcfs'
+12 served traces and two calibration traces take about 10 minutes on a quiet machine (the
+simulated durations; a loaded one takes several times that); a request is 6 points of a
+trace's TTFT attainment. On 64 blocks the simulator puts capacity near 0.45 req/s (fcfs'
 TTFT attainment falls from there); 1.0 req/s is past it for every policy.
 """
 
