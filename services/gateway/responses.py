@@ -106,7 +106,8 @@ class ChatFormat:
         self.num_calls = 0  # streamed so far
 
     def whole(self, text, finish_reason, usage, pieces=()) -> ChatCompletion:
-        content, calls = (text, []) if self.tools is None else parse(text, self.tools.format)
+        cut = finish_reason != "stop"  # max_tokens: a call it was writing is unfinished
+        content, calls = (text, []) if self.tools is None else parse(text, self.tools.format, cut)
         message = AssistantMessage(content=content)
         if calls:
             message.tool_calls = [ToolCall(c.id, FunctionCall(c.name, c.arguments)) for c in calls]
@@ -126,7 +127,7 @@ class ChatFormat:
         if self.calls is not None:
             text, calls = self.calls.push(text)
             if finish_reason is not None:
-                rest, more = self.calls.finish()
+                rest, more = self.calls.finish(cut=finish_reason != "stop")
                 text, calls = text + rest, calls + more
         chunks = [self._chunk([ChatChunkChoice(index=self.index, delta=Delta(content=text or None))])] if text else []
         for c in calls:

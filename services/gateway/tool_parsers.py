@@ -2,9 +2,10 @@
 
 `parse(text)` splits a whole answer into its content and its calls. `CallStream` does the same
 piece by piece: text before the first call streams as content at once (minus a tail that could
-still begin a call), and each call is given out once it is complete (its closing tag, or the
-end of the answer). Text that claims to be a call and does not parse stays content, as vLLM's
-parsers leave it.
+still begin a call), and the calls are given out at the end of the answer, all or none. Text
+that claims to be a call and does not parse stays content, as vLLM's parsers leave it; so does a
+call that an answer cut short (max_tokens) was still writing, and with it every call of that
+answer: what was generated shows once, in one field, and no arguments are made up.
 """
 
 from __future__ import annotations
@@ -66,13 +67,12 @@ def _json_calls(text: str) -> list[Call] | None:
     return calls or None
 
 
-def parse(text: str, fmt: str) -> tuple[str | None, list[Call]]:
+def parse(text: str, fmt: str, cut: bool = False) -> tuple[str | None, list[Call]]:
     """(content, calls) of a whole answer, as `CallStream` gives them out; content is None
-    when the answer is only calls. An answer cut short keeps its complete calls, and the
-    unfinished rest is content."""
+    when the answer is only calls. `cut`: the answer did not end on its own (max_tokens)."""
     stream = CallStream(fmt)
     content, calls = stream.push(text)
-    rest, more = stream.finish()
+    rest, more = stream.finish(cut)
     content = (content + rest).strip()
     return content or None, calls + more
 
@@ -86,24 +86,29 @@ def _held_back(text: str, tag: str) -> int:
 
 
 class CallStream:
-    """A streamed answer: `push(text)` and then `finish()` each give (content delta, calls
-    completed); the concatenated content and calls equal `parse` of the whole text."""
+    """A streamed answer: `push(text)` and then `finish(cut)` each give (content delta, calls);
+    the concatenated content and calls equal `parse` of the whole text.
+
+    The calls are given out at the end, all of them or none: an answer whose calls all read
+    back gives them as calls; one where any does not (a call that does not parse, or the call
+    an answer cut short by max_tokens was writing, whose arguments may happen to parse but were
+    never finished) gives its text from the first call on as content, once, and no calls."""
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
-        self.buffer = ""  # text not yet given out
+        self.buffer = ""  # text not yet given out: from the first call's start on, all of it
         self.in_calls = False  # past the start of the first call
-        self.text = ""  # all of it: a call that does not parse turns it back into content
+        self.calls: list[Call] = []  # closed calls read so far (hermes), given out at the end
+        self.read = 0  # of `buffer`: the closed calls before this are in `calls`
 
     def push(self, text: str) -> tuple[str, list[Call]]:
-        self.text += text
         self.buffer += text
         if self.fmt == "content":  # no calls after all: everything streams
             out, self.buffer = self.buffer, ""
             return out, []
         if self.fmt == "llama3_json":
             return self._push_json()
-        out, calls = "", []
+        out = ""
         if not self.in_calls:
             start = self.buffer.find(OPEN)
             if start < 0:
@@ -111,15 +116,14 @@ class CallStream:
                 out, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
                 return out, []
             out, self.buffer, self.in_calls = self.buffer[:start], self.buffer[start:], True
-        while (end := self.buffer.find(CLOSE)) >= 0:
-            self.buffer = self.buffer.lstrip()  # the space between two calls
-            end = self.buffer.find(CLOSE)
-            call = _hermes_call(self.buffer[len(OPEN) : end] if self.buffer.startswith(OPEN) else "")
-            if call is None:
-                return self._give_up(out, calls)
-            calls.append(call)
-            self.buffer = self.buffer[end + len(CLOSE) :]
-        return out, calls
+        while (end := self.buffer.find(CLOSE, self.read)) >= 0:  # read each call as it closes
+            body = self.buffer[self.read : end].strip()
+            call = _hermes_call(body[len(OPEN) :]) if body.startswith(OPEN) else None
+            if call is None:  # no call after all: it and the rest stream as content
+                return self._give_up(out)
+            self.calls.append(call)
+            self.read = end + len(CLOSE)
+        return out, []
 
     def _push_json(self) -> tuple[str, list[Call]]:
         head = self.buffer.lstrip()
@@ -132,26 +136,25 @@ class CallStream:
         out, self.buffer = self.buffer, ""
         return out, []
 
-    def finish(self) -> tuple[str, list[Call]]:
-        if self.fmt == "content":
+    def finish(self, cut: bool = False) -> tuple[str, list[Call]]:
+        """The end of the answer; `cut`: it did not end on its own (max_tokens)."""
+        if self.fmt == "content" or not self.in_calls:
             out, self.buffer = self.buffer, ""
             return out, []
-        if not self.in_calls:
-            out, self.buffer = self.buffer, ""
-            return out, []
-        if self.fmt == "llama3_json":
-            calls = _json_calls(self.buffer)
-            return (self.buffer, []) if calls is None else ("", calls)
-        rest = self.buffer.strip()
-        if not rest:
-            return "", []
-        if rest.startswith(OPEN) and (call := _hermes_call(rest[len(OPEN) :])) is not None:
-            return "", [call]  # the last call, unclosed at the end of the answer
-        return self._give_up("", [])
+        if self.fmt == "llama3_json":  # no closing mark: a cut answer's last call may be unfinished
+            calls = None if cut else _json_calls(self.buffer)
+            return self._give_up("") if calls is None else ("", calls)
+        if rest := self.buffer[self.read :].strip():
+            # The last call, unclosed: read only where the model ended the answer itself.
+            call = _hermes_call(rest[len(OPEN) :]) if rest.startswith(OPEN) and not cut else None
+            if call is None:
+                return self._give_up("")
+            self.calls.append(call)
+        calls, self.calls, self.buffer = self.calls, [], ""
+        return "", calls
 
-    def _give_up(self, out: str, calls: list[Call]) -> tuple[str, list[Call]]:
-        """A call that does not parse: what was held back goes out as content (calls already
-        given out stay given)."""
-        out, self.buffer = out + self.buffer, ""
+    def _give_up(self, out: str) -> tuple[str, list[Call]]:
+        """Calls that do not read back: their text goes out as content, and no call."""
+        out, self.buffer, self.calls = out + self.buffer, "", []
         self.fmt = "content"
-        return out, calls
+        return out, []

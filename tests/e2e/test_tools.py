@@ -108,12 +108,41 @@ def test_whole_and_streamed_calls_agree(server):
     client = sync_client(server)
     whole = create(client, server.model, ASK, False, tools=TOOLS, tool_choice="required")
     streamed = create(client, server.model, ASK, True, tools=TOOLS, tool_choice="required")
-    # Ids differ; a whole answer's content is trimmed, a stream's cannot be (it is text cut
-    # short at max_tokens here: the model keeps calling).
+    # Ids differ; a whole answer's content is trimmed, a stream's cannot be. Parallel calls
+    # allowed (the default), the model keeps calling until max_tokens cuts it inside a call: no
+    # call is given out, the text is content, once.
     strip = lambda r: ((r[0] or "").strip(), [(c["name"], c["arguments"]) for c in r[1]], r[2])  # noqa: E731
     assert strip(whole) == strip(streamed)
-    # Parallel calls allowed (the default): every complete call validates, however many.
-    check_calls(whole[1], {"get_weather", "get_time"})
+    content, calls, finish = whole
+    assert finish == "length" and not calls and content.startswith("<tool_call>")
+    closed = [c.split("<tool_call>")[-1] for c in content.split("</tool_call>")[:-1]]
+    assert closed  # every call the model closed validates
+    check_calls([{**json.loads(c), "id": "call_", "arguments": json.dumps(json.loads(c)["arguments"])} for c in closed],
+                {"get_weather", "get_time"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_call_cut_short_makes_up_no_arguments(server, stream):
+    """max_tokens ends the answer inside its one call: finish_reason "length", no tool call, and
+    the text generated is the content, once."""
+    client = sync_client(server)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        kw = dict(model=server.model, messages=ASK, temperature=0, tools=TOOLS, tool_choice=choice,
+                  parallel_tool_calls=False)
+        whole = client.chat.completions.create(max_tokens=MAX_TOKENS, **kw)  # given room, the call completes
+        assert whole.choices[0].finish_reason == "tool_calls" and len(whole.choices[0].message.tool_calls) == 1
+        num_tokens = whole.usage.completion_tokens
+        texts = []
+        # Cut early, and just before the closing tag, where the call's JSON is whole.
+        for max_tokens in (8, 20, *range(num_tokens - 4, num_tokens)):
+            content, calls, finish = create(client, server.model, ASK, stream, tools=TOOLS, tool_choice=choice,
+                                            parallel_tool_calls=False, max_tokens=max_tokens)
+            assert finish == "length" and calls == [], (choice, max_tokens, content, calls, finish)
+            assert content.startswith('<tool_call>\n{"name') and content.count("<tool_call>") == 1, content
+            texts.append(content)
+        assert all(a.strip() in b for a, b in zip(texts, texts[1:]))  # greedy: each cut begins the next
 
 
 # The model calls a tool on its own once it has seen the pattern (two earlier turns).

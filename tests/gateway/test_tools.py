@@ -42,11 +42,25 @@ HERMES = [
     ('<tool_call>{"name":"f","arguments":"{\\"a\\": 2}"}</tool_call>', None, [("f", {"a": 2})]),
     ("<tool_call>{bad}</tool_call>", "<tool_call>{bad}</tool_call>", []),
     ("a <tool_ca", "a <tool_ca", []),
-    (
-        '<tool_call>{"name":"f","arguments":{}}</tool_call>\n<tool_call>{"name": "f", "argu',  # cut short
-        '<tool_call>{"name": "f", "argu',
-        [("f", {})],
+    (  # cut short inside its second call: all of it is content, once
+        '<tool_call>{"name":"f","arguments":{}}</tool_call>\n<tool_call>{"name": "f", "argu',
+        '<tool_call>{"name":"f","arguments":{}}</tool_call>\n<tool_call>{"name": "f", "argu',
+        [],
     ),
+    (  # a bad second call: the first is no call either
+        '<tool_call>{"name":"f","arguments":{}}</tool_call> <tool_call>{bad}</tool_call> so',
+        '<tool_call>{"name":"f","arguments":{}}</tool_call> <tool_call>{bad}</tool_call> so',
+        [],
+    ),
+]
+# Answers cut short by max_tokens (finish_reason "length"): a call not closed was not finished,
+# even where its JSON happens to parse.
+CUT = [
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"city": "+{\\r\\n"}}', '<tool_call>\n{"name": "f", "arguments": {"city": "+{\\r\\n"}}', []),  # noqa: E501
+    ("hermes", '<tool_call>{"name":"f","arguments":{}}</tool_call>\n<tool_call>{"name":"g","arguments":{}}',
+     '<tool_call>{"name":"f","arguments":{}}</tool_call>\n<tool_call>{"name":"g","arguments":{}}', []),
+    ("hermes", '<tool_call>{"name":"f","arguments":{}}</tool_call>\n', None, [("f", {})]),  # every call closed
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}', '{"name": "f", "parameters": {"a": 1}}', []),
 ]
 LLAMA = [
     ('{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', None, [("f", {"a": 1}), ("g", {})]),
@@ -56,12 +70,12 @@ LLAMA = [
 ]
 
 
-def streamed(text: str, fmt: str) -> tuple[str | None, list]:
+def streamed(text: str, fmt: str, cut: bool = False) -> tuple[str | None, list]:
     s, content, calls = CallStream(fmt), "", []
     for ch in text:
         c, more = s.push(ch)
         content, calls = content + c, calls + more
-    c, more = s.finish()
+    c, more = s.finish(cut)
     return (content + c).strip() or None, calls + more
 
 
@@ -71,6 +85,13 @@ def test_calls_are_read_back_whole_and_streamed_alike(fmt, text, content, calls)
         assert got_content == content
         assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
         assert all(c.id.startswith("call_") for c in got_calls)
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CUT)
+def test_an_answer_cut_short_gives_no_unfinished_call(fmt, text, content, calls):
+    for got_content, got_calls in (parse(text, fmt, cut=True), streamed(text, fmt, cut=True)):
+        assert got_content == content
+        assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
 
 
 def test_streamed_content_goes_out_before_the_answer_ends():
