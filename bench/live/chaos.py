@@ -7,8 +7,10 @@ fail a step and cut off from each other, and check that nothing accepted is lost
    texts are the undisturbed outputs, completed requests per second the capacity.
 3. Chaos: Poisson arrivals at `--load` x capacity for `--duration` s, round-robin over the
    gateways, while a fault comes every `--every` s (uniform in [lo, hi]): its kind in turn
-   (kill, stop, raise, cut, each kind once per round, in a seeded order; raise alternates a step
-   that raises once and a request that raises until it is failed), on a seeded random target.
+   (kill, stop, raise, cut, bad_plan, each kind once per round, in a seeded order, or those of
+   `--kinds`; raise alternates a step that raises once and a request that raises until it is
+   failed; bad_plan makes the worker receive a plan with an id or length out of range, which
+   fails that step), on a seeded random target.
 4. Every request ends as refused (429/503 before any token, or no gateway listening: never
    accepted), completed (every token, [DONE]) or failed (with the reason the client got);
    completed ones are compared with the reference text ("identical"). A request whose
@@ -54,7 +56,7 @@ from bench.live.watch import idle_state, wait_idle
 from bench.live.workload import WorkItem, arrival_times, sample_sharegpt, sharegpt_conversations
 from bench.report.metrics import RequestRecord
 
-KINDS = ("kill", "stop", "raise", "cut")
+KINDS = ("kill", "stop", "raise", "cut", "bad_plan")
 RETRY_DELAY_S, MAX_RETRY_DELAY_S = 0.5, 8.0  # the OpenAI client's backoff
 
 
@@ -65,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity", type=float, default=None, help="req/s: use this, not the reference phase's")
     p.add_argument("--every", type=float, nargs=2, default=(30.0, 60.0), metavar=("LO", "HI"),
                    help="seconds between faults, uniform (default 30 60)")  # fmt: skip
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="faults to inject (default: all)")
     p.add_argument("--stop-s", type=float, default=8.0, help="how long a SIGSTOP lasts (default %(default)s)")
     p.add_argument("--cut-s", type=float, default=8.0, help="how long a gateway is cut off (default %(default)s)")
     p.add_argument("--stall-s", type=float, default=2.0, help="a stream silent this long was stalled by a fault")
@@ -141,7 +144,7 @@ async def fault_schedule(rig: Rig, args, t0: float, faults: list[Fault]) -> None
         if at >= args.duration:
             break
         if not order:
-            order = rng.sample(KINDS, len(KINDS))
+            order = rng.sample(list(args.kinds), len(args.kinds))
         kind = order.pop()
         if kind == "raise":
             kind, num_raises = ("raise_step", "raise_request")[num_raises % 2], num_raises + 1

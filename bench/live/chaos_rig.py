@@ -13,6 +13,11 @@ Faults, each on a process of the rig's choosing (the `target` says which):
 - raise_step / raise_request: SIGUSR1 / SIGUSR2 to a worker started with
   `SUPERINFER_FAULTS=signals`: its next step raises once (a re-run passes), or its next
   step's first request raises until it is failed alone;
+- bad_plan: BAD_PLAN_SIGNAL to such a worker: the next plan it receives that schedules a
+  request arrives with one id or length out of range (a block id past its pool, a negative
+  position, a table wider than a context, a token past the vocabulary, a swap-in from past the
+  DRAM pool, in turn), as a scheduler bug would send it; the step fails whole (WorkerError),
+  and the scheduler resets the worker and recomputes its requests;
 - cut: a gateway cut off from its scheduler for `cut_s`: under `serve` the gateway is frozen
   (SIGSTOP; its clients wait too), in the replicated rig the relay between one gateway and one
   scheduler closes its connections and refuses new ones (no network change outside this rig).
@@ -33,10 +38,11 @@ from pathlib import Path
 
 from bench.live.server import REPO, children_of, free_port, start_server, wait_for
 from bench.live.watch import PAGE_BYTES, role_of, tree_pids
-from services.worker.faults import FAULTS_ENV
+from services.worker.faults import BAD_PLAN_SIGNAL, FAULTS_ENV
 from shared.config import WEIGHTS_CACHE_ENV
 
 ROLES = ("worker", "scheduler", "gateway")
+WORKER_SIGNALS = {"raise_step": signal.SIGUSR1, "raise_request": signal.SIGUSR2, "bad_plan": BAD_PLAN_SIGNAL}
 
 
 def role_pid(parent: int, role: str) -> int | None:
@@ -116,8 +122,8 @@ class Rig:
         pid = self.pid(fault.target)
         if fault.kind == "kill":
             fault.note = "sent" if signal_pid(pid, signal.SIGKILL) else "no such process"
-        elif fault.kind in ("raise_step", "raise_request"):
-            sig = signal.SIGUSR1 if fault.kind == "raise_step" else signal.SIGUSR2
+        elif fault.kind in WORKER_SIGNALS:
+            sig = WORKER_SIGNALS[fault.kind]
             # A worker still starting (restarted by an earlier fault) has no handler yet: the
             # signal would kill it, which is the kill fault's job. Wait until it catches it.
             for _ in range(int(CATCH_WAIT_S / 0.5)):
@@ -163,7 +169,7 @@ class ServeRig(Rig):
         self.log_path = self.server.log_path
 
     def pick(self, kind: str, rng: random.Random) -> str:
-        if kind in ("raise_step", "raise_request"):
+        if kind in WORKER_SIGNALS:
             return "worker"
         return "gateway" if kind == "cut" else rng.choice(ROLES)
 
@@ -297,7 +303,7 @@ class ReplicatedRig(Rig):
 
     def pick(self, kind: str, rng: random.Random) -> str:
         i = rng.choice((0, 1))
-        if kind in ("raise_step", "raise_request"):
+        if kind in WORKER_SIGNALS:
             return f"worker{i}"
         if kind == "cut":
             return f"gateway{i}->scheduler{rng.choice((0, 1))}"
