@@ -102,3 +102,25 @@ def test_without_dram_new_requests_are_not_held_back_for_good():
         add(core, f"r{i}", 33, 60, now=0.0)
     d.run()
     assert len(d.finish) == 6 and core.num_rotations_out == 0
+
+
+def test_a_prompt_still_prefilling_is_not_swapped_out_early():
+    """a decodes from t=0; p's 100-token prompt is admitted at 0.1 for a 31-token chunk (the
+    32-token budget less a's decode); d arrives. At 0.2, 11 blocks free < the budget of 12:
+    a goes; p, still prefilling, is passed over though its 2 blocks would stay within the budget."""
+    core = make_core(
+        "superinfer-artifact", num_hbm=16, num_dram=64, block_size=16, xfer_budget=12, max_batched_tokens=32,
+        enable_prefix_caching=False,
+    )
+    d = Driver(core, dt=0.1)
+    add(core, "a", 33, 60, now=0.0)
+    d.step()
+    add(core, "p", 100, 20, now=0.1)
+    d.step()
+    assert core.requests["p"].num_computed_tokens == 31 and core.memory.hbm.num_free == 11
+    add(core, "d", 150, 20, now=0.15)
+    d.step()
+    assert ids(core.last_step.preempted) == ["a"]
+    assert core.requests["p"].status is Status.RUNNING
+    d.run()
+    assert sorted(d.finish) == ["a", "d", "p"]
