@@ -2,11 +2,14 @@
 generator.
 
 Greedy rows share one argmax. The other rows are tempered together, then filtered (min-p,
-top-k and top-p as vLLM applies them) and drawn from, each from one uniform of the request's own
-`torch.Generator`, reseeded for each draw from (request seed, position). On CPU one native call
-(csrc/sampling.c) filters and draws every such row; elsewhere the torch ops here do, row by row.
-A token therefore depends on its seed, its position and its logits only: not on which
-requests shared the batch, nor on a preemption, recompute or resubmission before it.
+top-k and top-p as vLLM applies them) and drawn from, each from one float64 uniform of the
+request's own `torch.Generator`, reseeded for each draw from (request seed, position). On CPU one
+native call (csrc/sampling.c) filters and draws every such row; elsewhere the torch ops here do,
+row by row, by the same algorithm: the same floors, the same uniform, the draw in id order over
+the tokens the filters keep. A token therefore depends on its seed, its position and its logits
+only: not on which requests shared the batch, on a preemption, recompute or resubmission
+before it, nor on whether the kernels were built (up to the rounding of the weights' sums, a
+draw within ~1e-7 of a boundary between two tokens).
 """
 
 from __future__ import annotations
@@ -73,21 +76,25 @@ def _sample_random(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
     """logits: [R, V] -> one drawn id per row."""
+    u = [float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators]  # one per row, either path
     native = cpu_kernels.for_tensor(logits) if logits.is_contiguous() else None
     if native is not None:  # the same temperature, filters and draw, every row in one call (csrc/sampling.c)
-        u = [float(torch.rand((), generator=g, dtype=torch.float64)) for g in generators]
         knobs = ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
         return native.sample(logits, *knobs, [p.min_p for p in params], u)
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     scaled = logits / temps[:, None]  # [R, V]
-    return [_sample_row(scaled[i], params[i], generators[i]) for i in range(len(params))]
+    return [_sample_row(scaled[i], params[i], u[i]) for i in range(len(params))]
 
 
-def _sample_row(scaled: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    """scaled: [V], one tempered row -> one drawn id."""
-    ids, probs = distribution(scaled, p)
-    i = _draw(probs, generator)
-    return i if ids is None else int(ids[i])
+def _sample_row(scaled: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """scaled: [V], one tempered row -> the id drawn with the uniform u, in id order over the
+    weights the filters left (as csrc/sampling.c draws)."""
+    ids, weights = distribution(scaled, p)
+    if ids is None:
+        return _draw(weights.double(), u)
+    row = torch.zeros(scaled.shape[0], dtype=torch.float64, device=scaled.device)  # [V]
+    row[ids] = weights
+    return _draw(row, u)
 
 
 def distribution(scaled: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -106,7 +113,8 @@ def distribution(scaled: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor 
     49K ids, and torch's multinomial draw 1.3 ms, per row and step."""
     vocab = scaled.shape[0]
     top_k = p.top_k if 0 < p.top_k < vocab else 0
-    weights = torch.exp(scaled - scaled.max())  # the best token's is 1
+    below = scaled - scaled.max()
+    weights = torch.exp(below).masked_fill(~(below >= UNDERFLOW), 0.0)  # the best token's is 1; NaN 0
     if p.min_p > 0.0:
         weights = weights.masked_fill(weights < p.min_p, 0.0)
     if not top_k and p.top_p >= 1.0:
@@ -132,16 +140,20 @@ def distribution(scaled: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor 
 
 
 # Weights (relative to the best token's) above which tokens are sorted, tried in turn until
-# they hold the top-k or top-p's mass: 1e-4 is 9.2 nats below the best.
-_FLOORS = (1e-4, 1e-8, 0.0)
+# they hold the top-k or top-p's mass: 1e-2 is 4.6 nats below the best; the last, any weight.
+# csrc/sampling.c's FLOORS, as its UNDERFLOW: a token more than 87 nats below the best weighs 0.
+_FLOORS = (1e-2, 1e-4, 1e-8, torch.finfo(torch.float32).tiny)
+UNDERFLOW = -87.0
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """probs: [N] >= 0, not all zero -> an index drawn in proportion, from one uniform of the
-    request's own generator (inverse CDF: a cumulative sum and a binary search)."""
-    cdf = probs.cumsum(dim=0)
-    u = torch.rand((), generator=generator, dtype=cdf.dtype, device=cdf.device)
+def _draw(weights: torch.Tensor, u: float) -> int:
+    """weights: [V] float64 >= 0 -> the first id whose running sum exceeds u x the total (inverse
+    CDF, in id order); a rounding edge at the very top gives the last id with weight, a row
+    without weight id 0 (csrc/sampling.c's inverse_cdf)."""
+    cdf = weights.cumsum(dim=0)
+    if float(cdf[-1]) <= 0.0:
+        return 0
     i = min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), len(cdf) - 1)
-    if float(probs[i]) == 0.0:  # a rounding edge (u * total at the very top): the last token with weight
-        i = int(probs.nonzero()[-1])
+    if float(weights[i]) == 0.0:
+        i = int(weights.nonzero()[-1])
     return i

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import collections
+import json
 import math
+import os
+import subprocess
+import sys
 
 import torch
 
 import pytest
 
+from bench.live.server import REPO
 from services.worker import cpu_kernels, sampler
 from services.worker.sampler import distribution, draw_seed, make_generator, request_seed, sample
 from shared.protocol import NewRequestData, SamplingParams, ScheduledRequest
@@ -252,3 +257,39 @@ def test_seeded_request_recomputed_after_preemption_draws_the_same(make_runner, 
     while len(runner.token_ids("s")) < len(prompt) + 10:
         runner.execute([ScheduledRequest("s", len(runner.token_ids("s")) - 1, 1)])
     assert runner.token_ids("s")[len(prompt) :] == want
+
+
+def grid_tokens() -> list[int]:
+    """Seeded draws over rows peaked to flat (a flat row's top-p reaches past 512 candidates, the
+    native sampler's bucketed path) and a grid of temperature, top-k, top-p and min-p: the same
+    list wherever it runs, with or without the native kernels."""
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for spread in (6.0, 2.0, 0.3, 0.02):
+        rows = torch.randn(8, 8192, generator=gen) * spread  # [8, V]: one row per seed
+        rows[:, [11, 12]] = rows.max()  # a tie for the best
+        for temperature in (0.3, 0.8, 1.0, 1.7):
+            for top_k, top_p, min_p in ((0, 1.0, 0.0), (0, 0.95, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.1), (1, 1.0, 0.0),
+                                        (20, 1.0, 0.0), (300, 0.9, 0.02), (0, 0.99, 0.0)):  # fmt: skip
+                p = params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+                seeds = [draw_seed(request_seed(params(seed=s)), 40) for s in range(8)]
+                gens = [make_generator(p, torch.device("cpu")) for _ in seeds]
+                out += sample(rows.clone(), [p] * len(seeds), gens, seeds)
+    return out
+
+
+@pytest.mark.slow
+def test_seeded_draws_are_the_same_with_and_without_the_native_kernels():
+    """The torch path, in a process where the kernels are off (as on a machine with no compiler),
+    draws the native sampler's tokens for every seed and setting."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("no native kernels here")
+    code = "import json; from tests.worker.test_sampler import grid_tokens; print(json.dumps(grid_tokens()))"
+    env = {**os.environ, cpu_kernels.ENV_SWITCH: "off"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    without = json.loads(done.stdout.splitlines()[-1])
+    native = grid_tokens()
+    assert len(native) == len(without) == 4 * 4 * 8 * 8
+    differ = [i for i, (a, b) in enumerate(zip(native, without)) if a != b]
+    assert not differ, f"{len(differ)} of {len(native)} draws differ, the first at {differ[:5]}"

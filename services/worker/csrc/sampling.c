@@ -8,12 +8,14 @@
  * Per row, its logits x divided by its temperature:
  *   w_i = exp(x_i - max x), the best token's 1; 0 below min_p, and 87 nats below the best
  *        (-inf, a token a constraint forbids, is exactly 0);
- *   without top-k and top-p: token i drawn in proportion to w_i, in id order;
- *   with them: the candidates are the tokens with w_i above the first floor (FLOORS) whose
- *   tokens hold the top-k or top-p's mass; sorted by logit, descending, the lower id first among
- *   equal logits (so top_k=1 is exactly argmax); top-k keeps the first k; top-p the smallest
- *   prefix whose probability (among what min-p and top-k left, over the whole row) reaches p,
- *   the best always.
+ *   with top-k or top-p: the candidates are the tokens with w_i above the first floor (FLOORS)
+ *   whose tokens hold the top-k or top-p's mass; sorted by logit, descending, the lower id first
+ *   among equal logits (so top_k=1 is exactly argmax); top-k keeps the first k; top-p the
+ *   smallest prefix whose probability (among what min-p and top-k left, over the whole row)
+ *   reaches p, the best always; w_i of every other token is then 0;
+ *   the draw: token i in proportion to w_i, in id order (inverse CDF of the uniform u), so that
+ *   it depends on the kept set only, not on how it was found (sampler.py's torch path draws the
+ *   same token for the same u: one algorithm, the floors included).
  */
 #include <float.h>
 
@@ -37,6 +39,19 @@ static int by_logit_then_id(const void *a, const void *b) {
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
+/* Float sums of 1024 weights, added in double. */
+static double weight_sum(const float *w, int64_t n) {
+    double total = 0.0;
+    for (int64_t j = 0; j < n; j += 1024) {
+        const int64_t end = j + 1024 < n ? j + 1024 : n;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t k = j; k < end; k++) s += w[k];
+        total += s;
+    }
+    return total;
+}
+
 /* w[i] for the row x (see above); returns the row's total weight. */
 static double row_weights(const float *x, int64_t n, float min_p, float *w) {
     float m = -INFINITY;
@@ -56,15 +71,7 @@ static double row_weights(const float *x, int64_t n, float min_p, float *w) {
         const float d = x[i] - m, e = d >= UNDERFLOW ? expf(d) : 0.0f;
         w[i] = e >= min_p ? e : 0.0f;
     }
-    double total = 0.0;
-    for (int64_t j = 0; j < n; j += 1024) { /* float sums of 1024, added in double */
-        const int64_t end = j + 1024 < n ? j + 1024 : n;
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t k = j; k < end; k++) s += w[k];
-        total += s;
-    }
-    return total;
+    return weight_sum(w, n);
 }
 
 /* The first index whose running sum of w exceeds target, else the last with any weight (a
@@ -165,9 +172,10 @@ static int64_t narrow(candidate_t *c, int64_t count, const float *w, int64_t top
     return hi;
 }
 
-/* One ranked row: x its logits, w its weights (row_weights), total their sum. */
-static int64_t draw_ranked(const float *x, const float *w, int64_t n, double total, int64_t top_k, double top_p,
-                           double u, candidate_t *c) {
+/* One ranked row: x its logits, w its weights (row_weights), total their sum; w keeps the weights
+ * of the tokens top-k and top-p keep, the others 0. */
+static void keep_ranked(const float *x, float *w, int64_t n, double total, int64_t top_k, double top_p,
+                        candidate_t *c) {
     int64_t counts[NUM_FLOORS];
     double masses[NUM_FLOORS];
     floor_counts(w, n, counts, masses);
@@ -184,7 +192,7 @@ static int64_t draw_ranked(const float *x, const float *w, int64_t n, double tot
 #endif
     for (; i < n; i++)
         if (w[i] >= floor) c[count].logit = x[i], c[count++].id = i;
-    if (!count) return 0; /* no token with weight: a row of -inf or NaN */
+    if (!count) return; /* no token with weight: a row of -inf or NaN */
     int64_t head = 0; /* c[0, head): kept whatever their order (see narrow) */
     double head_mass = 0.0;
     if (count > SORT_MAX && (!top_k || top_k < count)) count = narrow(c, count, w, top_k, top_p * total, &head, &head_mass);
@@ -201,18 +209,13 @@ static int64_t draw_ranked(const float *x, const float *w, int64_t n, double tot
         for (; i < kept && before < top_p; i++) before += w[c[i].id] / z;
         kept = i;
     }
-    double sum = 0.0;
-    for (int64_t i = 0; i < kept; i++) sum += w[c[i].id];
-    const double target = u * sum;
-    double cum = 0.0;
-    int64_t pick = 0;
-    for (int64_t i = 0; i < kept; i++)
-        if (w[c[i].id] > 0.0f) {
-            pick = i;
-            cum += w[c[i].id];
-            if (cum > target) break;
-        }
-    return c[pick].id;
+    int64_t last = 0; /* the lowest ranked token kept: every token ranked above it is kept too */
+    for (int64_t i = 1; i < kept; i++)
+        if (by_logit_then_id(c + i, c + last) > 0) last = i;
+    const float worst = c[last].logit;
+    const int64_t worst_id = c[last].id;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) w[i] = x[i] > worst || (x[i] == worst && i <= worst_id) ? w[i] : 0.0f;
 }
 
 /* x: [R, n] contiguous, the logits; per row its temperature (the row is divided by it first, in
@@ -233,10 +236,12 @@ int sample_rows_f32(const float *x, int64_t num_rows, int64_t n, const float *te
         for (int64_t i = 0; i < n; i++) scaled[i] = xr[i] / t;
         const double total = row_weights(scaled, n, (float)min_p[r], w);
         const int64_t k = top_k[r] > 0 && top_k[r] < n ? top_k[r] : 0;
-        if (!k && top_p[r] >= 1.0)
-            out[r] = inverse_cdf(w, n, u[r] * total);
-        else
-            out[r] = draw_ranked(scaled, w, n, total, k, top_p[r], u[r], c);
+        double kept = total;
+        if (k || top_p[r] < 1.0) {
+            keep_ranked(scaled, w, n, total, k, top_p[r], c);
+            kept = weight_sum(w, n);
+        }
+        out[r] = inverse_cdf(w, n, u[r] * kept);
     }
     free(w);
     free(c);
