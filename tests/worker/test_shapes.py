@@ -224,7 +224,7 @@ def test_every_path_gives_the_same_greedy_tokens(shape, fmt, written):
     degenerate."""
     quant = FORMATS[fmt]
     if quant == "bf16" and not cpu_quant.bf16_fast():
-        pytest.skip("this CPU has no AVX512-BF16 (bfloat16 matrices are not served here)")
+        quant = None  # no AVX512-BF16: its bfloat16 values in float32, as load_weights leaves them
     path = _path(written, shape, fmt)
     cfg = read_model_config(path)
     weights = load_weights(path, cfg, quant)
