@@ -20,6 +20,7 @@ Two halves, both a few microseconds for a step of decodes:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import add
 
 from shared import protocol as p
 
@@ -59,6 +60,7 @@ class PlanChecker:
     def __init__(self, limits: Limits, known) -> None:
         self.limits = limits
         self.known = known
+        self.widest = limits.max_blocks_per_request
 
     def check_ids(self, plan: p.Plan) -> None:
         lim, step = self.limits, plan.step_id
@@ -79,6 +81,41 @@ class PlanChecker:
                 k = getattr(r.params, name)
                 if k is not None and not 0 <= k <= lim.vocab_size:
                     raise PlanError(step, f"new_requests.params.{name}", f"{k} outside 0..{lim.vocab_size}", rid)
+        if not self._scheduled_fine(plan.scheduled):
+            self._explain_scheduled(plan)
+        hbm, dram = (lim.num_hbm_blocks, "the HBM pool"), (lim.num_dram_blocks, "the DRAM pool")
+        for name, pairs, src, dst in (
+            ("swap_in", plan.swap_in, dram, hbm),
+            ("swap_out", plan.swap_out, hbm, dram),
+            ("eager", plan.eager, hbm, dram),
+        ):
+            if pairs:
+                _in_range([a for a, _ in pairs], src[0], step, f"{name} (source)", src[1])
+                _in_range([b for _, b in pairs], dst[0], step, f"{name} (destination)", dst[1])
+
+    def _scheduled_fine(self, scheduled: list[p.ScheduledRequest]) -> bool:
+        """The common step (no table replaced) checked in a few builtin calls over lists; False
+        where `_explain_scheduled` must look request by request."""
+        if not scheduled:
+            return True
+        lim = self.limits
+        starts = [s.num_computed_tokens for s in scheduled]
+        counts = [s.num_new_tokens for s in scheduled]
+        blocks = [s.new_block_ids for s in scheduled]
+        flat = [b for ids in blocks for b in ids]
+        return (
+            min(starts) >= 0
+            and min(counts) >= 1
+            and max(map(add, starts, counts)) <= lim.max_model_len
+            and (not flat or (min(flat) >= 0 and max(flat) < lim.num_hbm_blocks))
+            and max(map(len, blocks)) <= self.widest
+            and [s.block_table for s in scheduled].count(None) == len(scheduled)
+            and len({s.request_id for s in scheduled}) == len(scheduled)
+        )
+
+    def _explain_scheduled(self, plan: p.Plan) -> None:
+        """Request by request: raises naming the field and the request that fails."""
+        lim, step = self.limits, plan.step_id
         seen: set[str] = set()
         for s in plan.scheduled:
             rid = s.request_id
@@ -99,26 +136,17 @@ class PlanChecker:
             _in_range(s.new_block_ids, lim.num_hbm_blocks, step, "scheduled.new_block_ids", "the HBM pool", rid)
             if s.block_table is not None:
                 _in_range(s.block_table, lim.num_hbm_blocks, step, "scheduled.block_table", "the HBM pool", rid)
-        hbm, dram = (lim.num_hbm_blocks, "the HBM pool"), (lim.num_dram_blocks, "the DRAM pool")
-        for name, pairs, src, dst in (
-            ("swap_in", plan.swap_in, dram, hbm),
-            ("swap_out", plan.swap_out, hbm, dram),
-            ("eager", plan.eager, hbm, dram),
-        ):
-            if pairs:
-                _in_range([a for a, _ in pairs], src[0], step, f"{name} (source)", src[1])
-                _in_range([b for _, b in pairs], dst[0], step, f"{name} (destination)", dst[1])
 
     def check_tables(self, plan: p.Plan) -> None:
         """After `check_ids`; `plan.drop` and `plan.new_requests` are applied before the step."""
         new = {r.request_id: len(r.prompt_token_ids) + len(r.output_token_ids) for r in plan.new_requests}
-        dropped = set(plan.drop)
-        bs, widest = self.limits.block_size, self.limits.max_blocks_per_request
+        dropped = set(plan.drop) if plan.drop else ()
+        bs, widest, known = self.limits.block_size, self.widest, self.known
         for s in plan.scheduled:
             rid = s.request_id
             if rid in new:
                 num_tokens, width = new[rid], 0
-            elif rid in dropped or (extent := self.known(rid)) is None:
+            elif rid in dropped or (extent := known(rid)) is None:
                 continue  # unknown to the runner: it fails this request alone
             else:
                 num_tokens, width = extent
@@ -126,6 +154,8 @@ class PlanChecker:
                 width = len(s.block_table)
             width += len(s.new_block_ids)
             end = s.num_computed_tokens + s.num_new_tokens
+            if end <= num_tokens and width <= widest and width * bs >= end:
+                continue
             if end > num_tokens:
                 why = f"positions up to {end}, the worker knows {num_tokens} tokens"
                 raise PlanError(plan.step_id, "scheduled.num_new_tokens", why, rid)

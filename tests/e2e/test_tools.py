@@ -122,6 +122,7 @@ def test_whole_and_streamed_calls_agree(server):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # 14 requests; a busy host is slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_forced_call_cut_short_makes_up_no_arguments(server, stream):
     """max_tokens ends the answer inside its one call: finish_reason "length", no tool call, and

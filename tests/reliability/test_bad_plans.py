@@ -127,3 +127,30 @@ def test_a_good_plan_passes_both_halves():
         assert e.field == "scheduled.num_new_tokens" and e.request_id == "a"
     else:
         raise AssertionError("17 positions on 4 known tokens passed")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # three processes and a model start; a busy host is slow
+def test_a_bad_plan_mid_stream_loses_nothing(tmp_path, monkeypatch):
+    """A scheduler, a worker and a gateway on real processes; the worker receives its 30th plan
+    with an id out of range (SUPERINFER_FAULTS plan=30, as a scheduler bug would send it): that
+    step fails whole, the scheduler resets the worker and recomputes, and every stream ends
+    with the text of an undisturbed run."""
+    from tests.reliability.live import client_for, stream_all
+    from tests.reliability.test_step_faults_live import Http, model_name, start
+
+    monkeypatch.setenv("SUPERINFER_FAULTS", "plan=30")
+    procs: list = []
+    try:
+        pair, url = start(tmp_path, procs)
+        model = model_name()
+        disturbed = asyncio.run(stream_all(client_for(Http(url)), model, []))
+        reference = asyncio.run(stream_all(client_for(Http(url)), model, []))
+        assert disturbed == reference
+        bad = pair.worker.log_events("bad plan")
+        assert len(bad) == 1 and bad[0]["field"] == "scheduled.new_block_ids", bad
+        assert "bad plan" in "\n".join(pair.scheduler.log_lines())
+        assert all(proc.alive() for proc in procs)
+    finally:
+        for proc in procs:
+            proc.stop()
