@@ -135,15 +135,30 @@ def test_a_forced_call_cut_short_makes_up_no_arguments(server, stream):
         whole = client.chat.completions.create(max_tokens=MAX_TOKENS, **kw)  # given room, the call completes
         assert whole.choices[0].finish_reason == "tool_calls" and len(whole.choices[0].message.tool_calls) == 1
         num_tokens = whole.usage.completion_tokens
-        texts = []
-        # Cut early, and just before the closing tag, where the call's JSON is whole.
-        for max_tokens in (8, 20, *range(num_tokens - 4, num_tokens)):
+        done = whole.choices[0].message.tool_calls[0].function
+        texts, whole_json = [], 0
+        # Cut early, and near the end, where the call's JSON is whole and its closing tag is not.
+        for max_tokens in (8, 20, *range(num_tokens - 5, num_tokens)):
             content, calls, finish = create(client, server.model, ASK, stream, tools=TOOLS, tool_choice=choice,
                                             parallel_tool_calls=False, max_tokens=max_tokens)
-            assert finish == "length" and calls == [], (choice, max_tokens, content, calls, finish)
+            assert finish == "length", (choice, max_tokens, content, calls, finish)
+            if calls:  # the closing tag was out, only the end of the answer was not: the call itself
+                assert content is None and [(c["name"], c["arguments"]) for c in calls] == [(done.name, done.arguments)]
+                continue
             assert content.startswith('<tool_call>\n{"name') and content.count("<tool_call>") == 1, content
+            assert "</tool_call>" not in content
             texts.append(content)
+            whole_json += _parses(content[len("<tool_call>") :])
         assert all(a.strip() in b for a, b in zip(texts, texts[1:]))  # greedy: each cut begins the next
+        assert whole_json, "no cut left the call's JSON whole and its tag open: the case this tests"
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 # The model calls a tool on its own once it has seen the pattern (two earlier turns).
