@@ -99,10 +99,10 @@ def start_pair(log_dir: Path, name: str, *worker_args: str) -> Pair:
     return Pair(scheduler, worker, addr, trace)
 
 
-def start_gateway(log_dir: Path, addrs: list[str]) -> tuple[Proc, str]:
+def start_gateway(log_dir: Path, addrs: list[str], *extra: str) -> tuple[Proc, str]:
     port = free_port()
     flags = [f for addr in addrs for f in ("--scheduler", addr)]
-    proc = spawn(log_dir, "gateway", "gateway", "--host", "127.0.0.1", "--port", str(port), *flags)
+    proc = spawn(log_dir, "gateway", "gateway", "--host", "127.0.0.1", "--port", str(port), *flags, *extra)
     return proc, f"http://127.0.0.1:{port}"
 
 

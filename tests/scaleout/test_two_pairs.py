@@ -43,7 +43,8 @@ def test_load_skews_away_from_the_small_pool_and_survives_a_killed_pair(tmp_path
     worker_args = ("--dram-gb", "0.25")
     big = start_pair(tmp_path, "big", "--hbm-blocks", str(BIG_HBM_BLOCKS), *worker_args)
     small = start_pair(tmp_path, "small", "--hbm-blocks", str(SMALL_HBM_BLOCKS), *worker_args)
-    gateway, base_url = start_gateway(tmp_path, [big.addr, small.addr])
+    # Headroom routing: the skew by pool size is its rule (cache-aware weighs predicted TTFT).
+    gateway, base_url = start_gateway(tmp_path, [big.addr, small.addr], "--routing", "headroom")
     procs = [big.scheduler, big.worker, small.scheduler, small.worker, gateway]
     try:
         both_ready = lambda: len(health(base_url).get("schedulers", [])) == 2  # noqa: E731
