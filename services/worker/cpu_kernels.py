@@ -130,12 +130,17 @@ class CpuKernels:
             raise MemoryError(f"no memory for the scratch of a {num_rows}-row decode attention")
         return out
 
+    @property
+    def has_prefill(self) -> bool:
+        """Whether the prefill kernel was built (it needs AVX-512)."""
+        return self._prefill is not None
+
     def supports_prefill(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
         """As `supports_decode`, for `prefill_attention`: built here, a head size in steps of
         `pf_keys` and at most `pf_rows` query heads per KV head."""
         num_heads, num_kv = q.shape[1], kv_layer.shape[3]
         return (
-            self._prefill is not None
+            self.has_prefill
             and self.supports_decode(q, kv_layer)
             and q.shape[2] % self.pf_keys == 0
             and num_heads // num_kv <= self.pf_rows

@@ -254,9 +254,16 @@ def resolve_kv_dtype(name: str, weights: torch.dtype | str) -> torch.dtype:
     """`--kv-cache-dtype` for weights of `weights` (resolve_dtype's answer): auto follows them, as
     vLLM's does, with the packed ones ("bf16", the quantizations) at bfloat16 as llama.cpp keeps a
     quantized model's KV at 16 bits."""
-    if name != "auto":
-        return DTYPES[name]
-    return torch.bfloat16 if isinstance(weights, str) else weights
+    if name == "auto":
+        return torch.bfloat16 if isinstance(weights, str) else weights
+    kv = DTYPES[name]
+    if isinstance(weights, torch.dtype) and kv.itemsize > weights.itemsize:
+        # The runner computes attention in the weights' type: a wider KV would only be truncated.
+        raise ValueError(
+            f"--kv-cache-dtype {name} is wider than the model computes in ({weights}; on a CPU without "
+            "AVX512-BF16, --dtype bfloat16 runs the whole model in bfloat16): use auto or bfloat16"
+        )
+    return kv
 
 
 def max_model_len(cfg: ModelConfig, asked: int | None) -> int:

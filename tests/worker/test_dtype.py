@@ -90,6 +90,10 @@ def test_worker_in_bfloat16_reports_its_kv_block_bytes(model_path, cfg, kv_flag,
         ["--device", "cpu", "--dtype", "bfloat16", "--kv-cache-dtype", kv_flag, "--hbm-blocks", "8", "--dram-gb", "0.01"]
     )
     args.model, args.worker_id = str(model_path), "w"
+    if kv_dtype == torch.float32 and not cpu_quant.bf16_fast():  # the model itself in bfloat16 here
+        with pytest.raises(ValueError, match="--kv-cache-dtype float32 is wider than the model computes in"):
+            build_worker(args, torch.device("cpu"))
+        return
     runner, engine, ready = build_worker(args, torch.device("cpu"))
     try:
         if cpu_quant.bf16_fast():  # bfloat16 matrices on vdpbf16ps; activations float32
