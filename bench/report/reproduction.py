@@ -418,31 +418,31 @@ def variant_table(rows: list[dict]) -> list[str]:
 def ablation_section(res: dict) -> list[str]:
     abl = res["ablation"]
     rate = abl[0]["rate"] if abl else 20
-    out = [
+
+    def part(title: str, rows: list[dict], body: list[str]) -> list[str]:
+        return [title, "", *(body if rows else ["Not run in this revision."]), ""]
+
+    out = part(
         f"## Ablations (Qwen2.5-32B, ShareGPT, {rate:g} req/s, first seed)",
-        "",
-        "LVF's guards one at a time onto `lvf-paper`, and each one left out of `lvf` (all four on).",
-        "",
-        *variant_table(abl),
-        "",
-        "### Fig. 1: WF vs SF on vLLM's swap path, and vLLM V1 (recompute)",
-        "",
-        *variant_table(res["fig1"]),
-        "",
-        "### Fig. 17: both LVFs on vLLM's swap path (B_xfer 300 and 2400) vs DuplexKV",
-        "",
-        *variant_table(res["fig17"]),
-        "",
-        "### Figs. 18–21: α, β_F, β_B, B_xfer (both LVFs)",
-        "",
-    ]
+        abl,
+        ["LVF's guards one at a time onto `lvf-paper`, and each one left out of `lvf` (all four on).", "", *variant_table(abl)],
+    )
+    out += part("### Fig. 1: WF vs SF on vLLM's swap path, and vLLM V1 (recompute)", res["fig1"], variant_table(res["fig1"]))
+    out += part(
+        "### Fig. 17: both LVFs on vLLM's swap path (B_xfer 300 and 2400) vs DuplexKV", res["fig17"], variant_table(res["fig17"])
+    )
+    sweeps = []
     for knob, rows in res["knobs"].items():
+        if not rows:
+            continue
         body = [
             [name(r["policy"]), f"{r[knob]:g}", pct(r["ttft_attainment"]), pct(r["tbt_attainment"]), f"{r['num_preemptions']:.0f}"]
             for r in sorted(rows, key=lambda r: (r["policy"], r[knob]))
         ]
-        out += [f"**{knob}**", "", *table(["policy", knob, "TTFT att.", "TBT att.", "preempt."], body), ""]
-    out += [f"![knob sweeps]({FIGURES}/knobs.png)", ""]
+        sweeps += [f"**{knob}**", "", *table(["policy", knob, "TTFT att.", "TBT att.", "preempt."], body), ""]
+    if sweeps:
+        sweeps += [f"![knob sweeps]({FIGURES}/knobs.png)"]
+    out += part("### Figs. 18–21: α, β_F, β_B, B_xfer (both LVFs)", sweeps, sweeps)
     return out
 
 
