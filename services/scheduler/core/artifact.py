@@ -45,7 +45,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from .fcfs import make_room
+from .fcfs import admit_if_room, make_room
 from .memory import Memory
 from .policy import PolicyView
 from .request import Request, Status
@@ -166,16 +166,8 @@ def admit_in_turn(core: PolicyView, step: Step, candidates: Iterator[Request], h
         num_new = core.grant(req, step, wanted=wanted)
         if num_new == 0:
             return
-        room = memory.blocks_to_admit(req, num_new, reserve_full=False)
-        if core.running:
-            room += watermark
-        step.num_blocks_wanted += room
-        if req.status is Status.ROTARY:
-            if not memory.can_swap_in(req, room, step.moves_left):
-                return
-        elif not memory.hbm.can_allocate(room):
+        if not admit_if_room(core, step, req, num_new, watermark):  # reserve_full_prompt is off for it (config)
             return
-        core.admit(req, step, num_new)
         if num_new < wanted:
             return  # a partial chunk is the last request of the step
 

@@ -106,13 +106,23 @@ def admit_in_order(core: PolicyView, step: Step, candidates: Iterable[Request]) 
         num_new = core.grant(req, step, wanted=wanted)
         if num_new == 0:
             return  # the step's prefill cap is spent
-        room = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
-        if core.running:
-            room += watermark
-        step.num_blocks_wanted += room
-        if req.status is Status.ROTARY:
-            if not memory.can_swap_in(req, room, step.moves_left):
-                return
-        elif not memory.hbm.can_allocate(room):
+        if not admit_if_room(core, step, req, num_new, watermark):
             return
-        core.admit(req, step, num_new)
+
+
+def admit_if_room(core: PolicyView, step: Step, req: Request, num_new: int, watermark: int) -> bool:
+    """Admit `req` for `num_new` tokens where its blocks (plus `watermark` while others run) fit
+    free HBM, or, rotary, the step's copies: True where admitted. The blocks it wanted count
+    toward the step's demand either way."""
+    memory = core.memory
+    room = memory.blocks_to_admit(req, num_new, core.cfg.reserve_full_prompt)
+    if core.running:
+        room += watermark
+    step.num_blocks_wanted += room
+    if req.status is Status.ROTARY:
+        if not memory.can_swap_in(req, room, step.moves_left):
+            return False
+    elif not memory.hbm.can_allocate(room):
+        return False
+    core.admit(req, step, num_new)
+    return True
