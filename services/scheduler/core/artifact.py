@@ -155,9 +155,8 @@ def admit_oldest_waiting(core: PolicyView, step: Step, fits: bool) -> None:
 
 
 def admit_in_turn(core: PolicyView, step: Step, candidates: Iterator[Request], hold_new: bool, watermark: int) -> None:
-    cfg, memory = core.cfg, core.memory
     for req in candidates:
-        if step.tokens_left == 0 or step.seqs_left == 0 or len(core.running) >= cfg.max_num_seqs:
+        if step.tokens_left == 0 or step.seqs_left == 0 or len(core.running) >= core.cfg.max_num_seqs:
             return
         if hold_new and is_new(req):
             continue  # "prevent cpu kv caches overflow"
