@@ -60,7 +60,8 @@ def health(url: str) -> dict:
 class Cluster:
     """Two pairs and a gateway with `routing`; `stop()` ends them all."""
 
-    def __init__(self, log_dir: Path, routing: str, weights_cache: str, scheduler_args: list[str]) -> None:
+    def __init__(self, log_dir: Path, routing: str, weights_cache: str, scheduler_args: list[str],
+                 worker_args: list[str]) -> None:  # fmt: skip
         self.procs: list[subprocess.Popen] = []
         addrs = []
         for i in range(2):
@@ -68,7 +69,7 @@ class Cluster:
             self.procs.append(spawn(log_dir, f"{routing}-scheduler{i}", [
                 "scheduler", "--bind", addr, "--worker-bind", worker_addr, "--admin-bind", "off", *scheduler_args]))
             # One core and one compute thread per worker.
-            self.procs.append(spawn(log_dir, f"{routing}-worker{i}", ["worker", "--connect", worker_addr, "--device", "cpu"],
+            self.procs.append(spawn(log_dir, f"{routing}-worker{i}", ["worker", "--connect", worker_addr, "--device", "cpu", *worker_args],
                                     {"OMP_NUM_THREADS": "1", WEIGHTS_CACHE_ENV: weights_cache}, cpu=i % (os.cpu_count() or 1)))
             addrs.append(addr)
         port = free_port()
@@ -95,7 +96,7 @@ class Cluster:
 
 
 def one_run(items, routing: str, args, log_dir: Path, weights_cache: str) -> dict:
-    cluster = Cluster(log_dir, routing, weights_cache, args.scheduler_args)
+    cluster = Cluster(log_dir, routing, weights_cache, args.scheduler_args, args.worker_args)
     try:
         schedulers = health(cluster.url)["schedulers"]
         records, duration = asyncio.run(replay(cluster.url, schedulers[0]["model_name"], items, client_args(600.0)))
@@ -170,6 +171,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tbt-slo", type=float, default=SchedulerConfig.tbt_slo)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduler-args", type=lambda s: s.split(), default=[], help="extra flags for both schedulers")
+    p.add_argument("--worker-args", type=lambda s: s.split(), default=[],
+                   help="extra flags for both workers, e.g. a small KV pool: '--block-size 32 --hbm-blocks 64'")
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
 
 

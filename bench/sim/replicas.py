@@ -54,7 +54,7 @@ class Replica:
     def __init__(self, i: int, setup: SimSetup, items: list, num_samples: list[int], cached: list) -> None:
         hw, model, cfg = setup.hardware, setup.model, setup.cfg
         self.setup, self.items, self.num_samples, self.cached = setup, items, num_samples, cached
-        self.max_model_len = min(model.max_position, setup.num_hbm_blocks * cfg.block_size)
+        self.max_model_len = context_len(setup)
         self.core = SchedulerCore(cfg, setup.num_hbm_blocks, setup.num_dram_blocks, self.max_model_len, model.name)
         depth = setup.pipeline_depth or default_pipeline_depth(on_cpu=not hw.pipeline)
         self.driver = Driver(self.core, self.send, depth)
@@ -98,9 +98,30 @@ class Replica:
         self.link.on_report(stats, now)
 
 
+def context_len(setup: SimSetup) -> int:
+    """A replica's context window: the model's, or its HBM pool where that is smaller."""
+    return min(setup.model.max_position, setup.num_hbm_blocks * setup.cfg.block_size)
+
+
+def fit_context(items: list, max_len: int) -> tuple[list, int]:
+    """`items` with each conversation cut before its first turn that does not fit `max_len`
+    (prompt and output; a later turn only grows), which the server would refuse with a 400;
+    and how many turns were cut."""
+    kept, cut_conversation = [], None
+    for it in items:
+        if it.turn == 0:
+            cut_conversation = None
+        if cut_conversation is None and it.prompt_tokens + it.output_tokens > max_len:
+            cut_conversation = it.conversation
+        if cut_conversation is None:
+            kept.append(it)
+    return kept, len(items) - len(kept)
+
+
 def simulate(items: list, setup: SimSetup, num_replicas: int, routing: str) -> dict:
-    """One run: every conversation of `items` through `num_replicas` replicas of `setup`."""
-    requests = requests_of(items, setup.max_tokens, min(setup.model.max_position, setup.num_hbm_blocks * setup.cfg.block_size))
+    """One run: every conversation of `items` through `num_replicas` replicas of `setup`
+    (each turn fits the context window: `fit_context`)."""
+    requests = requests_of(items, setup.max_tokens, context_len(setup))
     num_samples, cached = [0] * len(items), [(0, 0)] * len(items)
     replicas = [Replica(i, setup, items, num_samples, cached) for i in range(num_replicas)]
     router, links = Router(routing), [r.link for r in replicas]
@@ -202,10 +223,12 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         for rate in args.rate:
             num_conv = max(1, round(args.conversations_per_replica * n))
             items = sweep.load_items("sharegpt-long", num_conv, args.seed, chat=CHAT)
+            items, num_cut = fit_context(items, context_len(setup))
             bare = workload.draw_arrivals([replace(it, prompt="") for it in items], rate * n, 1.0, args.seed)
             for routing in args.routing:
                 t0 = time.perf_counter()
-                row = {**simulate(bare, setup, n, routing), "rate_per_replica": rate, "wall_s": time.perf_counter() - t0}
+                row = {**simulate(bare, setup, n, routing), "rate_per_replica": rate, "turns_cut": num_cut,
+                       "wall_s": time.perf_counter() - t0}  # fmt: skip
                 rows.append(row)
                 print(
                     f"{n:3d} replicas {rate:g} conv/s each  {routing:12s} cached {row['cached_token_share']:6.1%}  "

@@ -4,7 +4,7 @@ own Router, fed the replicas' load reports and cache events."""
 from __future__ import annotations
 
 from bench.live.workload import WorkItem
-from bench.sim.replicas import make_setup, simulate
+from bench.sim.replicas import fit_context, make_setup, simulate
 
 
 def conversations(num: int, num_turns: int = 3) -> list[WorkItem]:
@@ -30,3 +30,13 @@ def test_cache_aware_routing_sends_later_turns_to_their_history():
     assert aware["cached_token_share"] >= 0.9 * best, (aware["cached_token_share"], best)
     assert rr["cached_token_share"] < 0.5 * aware["cached_token_share"]
     assert aware["index_events_per_s"] > 0 and aware["index_peak_entries"] > 0
+
+
+def test_a_conversation_is_cut_at_its_first_turn_past_the_context_window():
+    # Turns of 600, 1240, 1880 prompt tokens (+40 out): a 1,500-token window keeps two turns of
+    # each conversation, as a server answering the third with a 400 would; the count says so.
+    items = conversations(3)
+    kept, num_cut = fit_context(items, 1500)
+    assert [(it.conversation, it.turn) for it in kept] == [(c, t) for c in range(3) for t in range(2)]
+    assert num_cut == 3
+    assert fit_context(items, 10_000) == (items, 0)
