@@ -4,7 +4,8 @@ them (csrc/quant_matmul.c, built with the other kernels by cpu_kernels.py); bflo
 
 A `QuantWeight` is a [N, K] matrix as GGUF stores it: per output row, K / 32 blocks of a float16
 scale (and, for Q4_1, a float16 minimum) and 32 quantized values. `pack` rewrites it once in the
-kernel's panels of 16 output columns (layout in the csrc file); `linear` multiplies. The
+kernel's panels of 16 output columns (layout in the csrc file); `linear` multiplies, on
+AVX512-VNNI, on AVX2 (the same integer sums and the same bits), or on a portable C loop. The
 activations are quantized to int8 per row and block of 32 inside the kernel, as llama.cpp's
 quantized dot products do, so a product differs from the dequantize-then-matmul reference by
 that rounding (~0.5% of the output's scale); `set_float_rows` sends steps of a few rows through
@@ -190,10 +191,26 @@ def pair_gate_up(t: torch.Tensor) -> torch.Tensor:
     return t.view(2, -1, panel, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-def quant_fast() -> bool:
-    """Whether the quantized matmul runs on AVX512-VNNI here (else on a slow portable loop)."""
+QUANT_PATHS = ("portable", "avx2", "vnni")  # csrc/quant_matmul.c's paths, slowest first
+
+
+def quant_path() -> str:
+    """The path the quantized matmul runs here: "vnni" (AVX512-VNNI), "avx2" (AVX2 with FMA and
+    F16C), "portable" (a slow C loop), or "" without the kernels."""
     native = cpu_kernels.kernels()
-    return native is not None and bool(native.lib.quant_matmul_path(0))
+    return QUANT_PATHS[native.lib.quant_matmul_path(-1)] if native is not None else ""
+
+
+def quant_fast() -> bool:
+    """Whether the quantized matmul runs vectorised here (AVX512-VNNI or AVX2), not on the slow
+    portable loop."""
+    return quant_path() not in ("", "portable")
+
+
+def limit_path(most: str) -> str:
+    """Run no path faster than `most` (one of QUANT_PATHS; "vnni": the fastest the CPU has) from
+    now on, for tests; returns the path that runs."""
+    return QUANT_PATHS[cpu_kernels.kernels().lib.quant_matmul_path(QUANT_PATHS.index(most))]
 
 
 def bf16_fast() -> bool:
@@ -219,11 +236,12 @@ def linear(x: torch.Tensor, packed: PackedQuant, bias: torch.Tensor | None) -> t
 
 def set_float_rows(rows: int) -> int:
     """Steps of at most `rows` rows (up to 4) multiply with the weights dequantized to float32 in
-    registers and the activations as they are (AVX512-VBMI), instead of int8 dot products;
-    returns the limit in force (0 where the CPU lacks VBMI)."""
+    registers and the activations as they are (AVX512-VBMI), instead of int8 dot products, where
+    the VNNI path runs; returns the limit in force (0 where the CPU lacks VBMI)."""
     return int(cpu_kernels.kernels().lib.quant_matmul_dequant_rows(int(rows)))
 
 
 def use_portable(on: bool) -> bool:
-    """Force (or stop forcing) the portable C loop; returns whether the AVX512-VNNI path runs."""
-    return bool(cpu_kernels.kernels().lib.quant_matmul_path(int(on)))
+    """Force (or stop forcing) the portable C loop; returns whether a vectorised path (AVX512-VNNI
+    or AVX2) runs."""
+    return limit_path("portable" if on else "vnni") != "portable"

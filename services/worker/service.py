@@ -229,11 +229,11 @@ def native_refusal(device_name: str) -> str | None:
 
 def resolve_dtype(name: str, device: torch.device, path: Path | None = None, ranks: int = 1) -> torch.dtype | str:
     """`--dtype`. auto: bfloat16 on CUDA (a 32B model's weights and KV fit); on a CPU, a quantized
-    GGUF as it is ("gguf", as llama.cpp serves the file) where the int8 kernels run (AVX512-VNNI)
-    and one rank holds the whole model, else float32. "gguf": the file's Q8_0/Q4_0/Q4_1 matrices
-    kept packed, int8 activations; their attention is batch-invariant, so a token recomputed
-    after a preemption is the token decoded (model.py). A quantization's name (q8_0, q4_0, q4_1)
-    quantizes the matrices at load, all else float32. bfloat16 on a CPU with AVX512-BF16 is
+    GGUF as it is ("gguf", as llama.cpp serves the file) where the int8 kernels run vectorised
+    (AVX512-VNNI or AVX2: cpu_quant.quant_fast) and one rank holds the whole model, else float32.
+    "gguf": the file's Q8_0/Q4_0/Q4_1 matrices kept packed, int8 activations; their attention is
+    batch-invariant, so a token recomputed after a preemption is the token decoded (model.py). A
+    quantization's name (q8_0, q4_0, q4_1) quantizes the matrices at load, all else float32. bfloat16 on a CPU with AVX512-BF16 is
     "bf16": the matrices in bfloat16 (vdpbf16ps), activations float32; elsewhere the whole model
     in bfloat16. The KV: resolve_kv_dtype."""
     quantized = device.type == "cpu" and path is not None and bool(gguf_quantization(path))

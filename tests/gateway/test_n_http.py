@@ -15,10 +15,10 @@ from tests.gateway.test_http import MESSAGES, sync_client
 SEED = 11
 N = 3
 # A choice equals its request alone only where a row's logits do not depend on the batch: the
-# served default (the packed GGUF, batch-invariant attention) on AVX512-VNNI. Elsewhere the model
-# runs float32 matmuls in torch, whose bits follow the number of rows, and a sample can differ.
+# served default (the packed GGUF, batch-invariant attention) on AVX512-VNNI or AVX2. Elsewhere the
+# model runs float32 matmuls in torch, whose bits follow the number of rows, and a sample can differ.
 batch_invariant = pytest.mark.skipif(
-    not cpu_quant.quant_fast(), reason="the served path is batch-invariant on AVX512-VNNI only"
+    not cpu_quant.quant_fast(), reason="the served path is batch-invariant on AVX512-VNNI or AVX2 only"
 )
 
 

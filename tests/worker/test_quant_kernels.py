@@ -1,6 +1,7 @@
 """The quantized matmul (Q8_0, Q4_0, Q4_1 kept packed, csrc/quant_matmul.c) against a
-dequantize-then-matmul reference, on both of its paths (AVX512-VNNI where the CPU has it, the
-portable C loop everywhere), and the bundled GGUF loaded packed."""
+dequantize-then-matmul reference, on each of its paths (AVX512-VNNI and AVX2 where the CPU has
+them, the portable C loop everywhere), the paths against each other, and the bundled GGUF loaded
+packed."""
 
 from __future__ import annotations
 
@@ -29,16 +30,16 @@ def quantized(kind: str, num_out: int, num_in: int) -> tuple[QuantWeight, cpu_qu
     return weight, cpu_quant.pack(weight)
 
 
-@pytest.fixture(params=["vnni", "portable", "float"])
+@pytest.fixture(params=["vnni", "avx2", "portable", "float"])
 def path(request):
-    vnni = cpu_quant.use_portable(request.param == "portable")
+    runs = cpu_quant.limit_path("vnni" if request.param == "float" else request.param)
     if request.param == "float" and not cpu_quant.set_float_rows(4):
         pytest.skip("this CPU has no AVX512-VBMI")
-    if request.param == "vnni" and not vnni:
-        cpu_quant.use_portable(False)
-        pytest.skip("this CPU has no AVX512-VNNI")
+    if request.param in ("vnni", "avx2") and runs != request.param:
+        cpu_quant.limit_path("vnni")
+        pytest.skip(f"this CPU has no {request.param.upper()} path")
     yield request.param
-    cpu_quant.use_portable(False)
+    cpu_quant.limit_path("vnni")
     cpu_quant.set_float_rows(0)
 
 
@@ -66,21 +67,83 @@ def test_quant_matmul_matches_dequantized_reference(kind, rows, num_out, num_in,
             assert (got - want).abs().mean() <= REL_TOL / 3 * scale  # not one lucky element
 
 
+def _on(path: str, x: torch.Tensor, packed, bias) -> torch.Tensor:
+    """cpu_quant.linear on `path` (or the fastest below it the CPU has)."""
+    cpu_quant.limit_path(path)
+    try:
+        return cpu_quant.linear(x, packed, bias)
+    finally:
+        cpu_quant.limit_path("vnni")
+
+
+def _vector_path(path: str):
+    if cpu_quant.limit_path(path) != path:
+        cpu_quant.limit_path("vnni")
+        pytest.skip(f"this CPU has no {path.upper()} path")
+    cpu_quant.limit_path("vnni")
+
+
+@pytest.mark.parametrize("path", ["vnni", "avx2"])
 @pytest.mark.parametrize("kind", cpu_quant.FORMATS)
-def test_both_paths_compute_the_same_sums(kind):
-    """The integer sums are exact on both paths; only the float scaling's order differs."""
-    if not cpu_quant.use_portable(False):
-        pytest.skip("this CPU has no AVX512-VNNI")
+def test_both_paths_compute_the_same_sums(kind, path):
+    """The integer sums are exact on every path; only the float scaling's order differs from the
+    portable loop's."""
+    _vector_path(path)
     gen = torch.Generator().manual_seed(1)
     packed = cpu_quant.pack(QuantWeight.quantize(torch.randn(64, 256, generator=gen), kind))
     x = torch.randn(11, 256, generator=gen)
-    fast = cpu_quant.linear(x, packed, None)
-    cpu_quant.use_portable(True)
-    try:
-        portable = cpu_quant.linear(x, packed, None)
-    finally:
-        cpu_quant.use_portable(False)
-    torch.testing.assert_close(fast, portable, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(_on(path, x, packed, None), _on("portable", x, packed, None), rtol=1e-5, atol=1e-4)
+
+
+def _exact_weight(kind: str, num_out: int, num_in: int, gen: torch.Generator) -> QuantWeight:
+    """GGUF blocks of random q (the whole range: Q8_0 from -128) whose scales are powers of two
+    from 1/8 to 1 and minimums (Q4_1) multiples of 1/8: every product and sum below is exact."""
+    blocks = num_out * num_in // 32
+    d = (2.0 ** -torch.randint(0, 4, (blocks, 1), generator=gen)).half().view(torch.uint8)
+    q = torch.randint(0, 256, (blocks, 32 if kind == "q8_0" else 16), generator=gen).to(torch.uint8)
+    parts = [d, (torch.randint(-64, 65, (blocks, 1), generator=gen) / 8).half().view(torch.uint8)] if kind == "q4_1" else [d]
+    raw = torch.cat([*parts, q], dim=1).reshape(num_out, -1)
+    return QuantWeight(kind, raw.contiguous(), (num_out, num_in))
+
+
+@pytest.mark.parametrize("kind", cpu_quant.FORMATS)
+@pytest.mark.parametrize(("num_out", "num_in"), [(16, 32), (48, 96), (80, 224), (32, 160)])
+def test_vector_paths_give_the_portable_loops_bits(kind, num_out, num_in):
+    """Activations that int8 holds as they are (integers, each block's largest 127: a scale of
+    exactly 1) and weights of dyadic scales (_exact_weight): every path's result is then the exact
+    product, so AVX2, AVX512-VNNI and the portable loop agree to the bit, and with the float64
+    reference, iff their integer sums are exact. Odd block counts (K not a multiple of 64: the
+    unpaired last block of Q8_0/Q4_0), odd panel counts, 1 to 9 rows (AVX2's tiles of 4, a short
+    last tile, VNNI's 8 and one past), a bias."""
+    gen = torch.Generator().manual_seed(num_out * 1000 + num_in)
+    weight = _exact_weight(kind, num_out, num_in, gen)
+    packed = cpu_quant.pack(weight)
+    bias = torch.randint(-800, 800, (num_out,), generator=gen) / 8
+    paths = [p for p in cpu_quant.QUANT_PATHS if cpu_quant.limit_path(p) == p]
+    cpu_quant.limit_path("vnni")
+    assert "avx2" in paths or not cpu_quant.quant_fast()  # the vector path of every x86 CPU with AVX2
+    for rows in range(1, 10):
+        x = torch.randint(-127, 128, (rows, num_in // 32, 32), generator=gen).float()
+        at = torch.randint(0, 32, (rows, num_in // 32, 1), generator=gen)
+        x.scatter_(2, at, 127.0 * torch.where(torch.rand(at.shape, generator=gen) < 0.5, -1.0, 1.0))
+        x = x.reshape(rows, num_in)
+        want = (x.double() @ weight.dequantize().double().T + bias.double()).float()
+        for b, w in ((None, want - bias), (bias, want)):
+            for path in paths:
+                assert torch.equal(_on(path, x, packed, b), w), (path, rows, b is None)
+
+
+@pytest.mark.parametrize("kind", cpu_quant.FORMATS)
+def test_avx2_gives_the_vnni_bits(kind):
+    """On a CPU with both, any activations: the AVX2 path scales the same integer sums in the
+    VNNI path's order, so a model's output does not depend on which one ran."""
+    _vector_path("vnni")
+    _vector_path("avx2")
+    gen = torch.Generator().manual_seed(2)
+    packed = cpu_quant.pack(QuantWeight.quantize(torch.randn(80, 352, generator=gen), kind))
+    x, bias = torch.randn(13, 352, generator=gen), torch.randn(80, generator=gen)
+    for rows in (1, 4, 5, 8, 13):
+        assert torch.equal(_on("avx2", x[:rows], packed, bias), _on("vnni", x[:rows], packed, bias))
 
 
 @pytest.mark.parametrize("parts", [2, 3])

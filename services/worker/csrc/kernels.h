@@ -41,7 +41,7 @@ linear_fn linear_bf16, linear_bf16_gated;
 /* matmul.c (where the compiler targets AVX-512) */
 linear_fn linear_panels_f32;
 /* quant_matmul.c */
-int quant_matmul_path(int portable);
+int quant_matmul_path(int limit);
 int quant_matmul_dequant_rows(int rows);
 linear_fn linear_q4, linear_q4_0, linear_q8;
 /* decode_attention.c */

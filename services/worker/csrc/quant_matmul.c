@@ -28,8 +28,20 @@
  * activations, read as one int32, its broadcast partner. A work item is one panel by up to
  * QTILE rows, whose 16-column float accumulators stay in registers across the blocks.
  *
- * The AVX512-VNNI path is chosen at run time (cpuid); elsewhere a portable C loop computes the
- * same integer sums.
+ * The AVX2 path (x86 without AVX-512: Zen 1-3, most laptops) reads the same layout: a 64-byte
+ * vector is two 32-byte halves, columns 0-7 and 8-15, and vpmaddubsw (unsigned q times signed xq,
+ * adjacent pairs summed to int16) then vpmaddwd by ones (int16 pairs to int32) stands for
+ * vpdpbusd. vpmaddubsw saturates its int16 sums, so the q it sees stay small: 4 bits, q <= 15 and
+ * |xq| <= 127, a pair is at most 3810 and all 8 vectors of a block (low and high nibbles, the
+ * high ones shifted down) sum to at most 30480 in int16 before one vpmaddwd; 8 bits, q + 128 up
+ * to 255 could not, so it multiplies the signed q (the stored byte xor 0x80) as |q| times xq
+ * given q's sign (vpsignb; a pair at most 2 * 128 * 127 = 32512), each vector widened to int32
+ * at once, and adds 128 sum_k xq_k (kept per row and block by the quantizer) back. Its integer
+ * sums are the other paths' exactly, and it scales them in the VNNI path's order, so the two
+ * give the same bits.
+ *
+ * The path is chosen at run time (cpuid): AVX512-VNNI, else AVX2 with FMA and F16C, else a
+ * portable C loop that computes the same integer sums.
  */
 #include <math.h>
 #include <omp.h>
@@ -40,9 +52,12 @@
 #include "kernels.h"
 
 #define QTILE 8 /* rows per work item: 8 float accumulators + the block's 8 weight vectors in registers */
+#define ATILE 4 /* AVX2: rows per work item: 2 halves x 4 rows of accumulators + a half's 8 weight vectors */
 #define DEQ_ROWS 4 /* most rows of the float32 path */
 
-static int force_portable = 0;
+/* The paths, slowest first; `most` is the fastest one allowed (tests force the slower ones). */
+enum { PATH_PORTABLE, PATH_AVX2, PATH_VNNI };
+static int most = PATH_VNNI;
 static int dequant_rows = 0; /* steps of at most this many rows take the float32 path (0: never) */
 
 /* Bytes of q per panel and block. */
@@ -82,8 +97,9 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* Row r of x -> xq (K int8), dx and sx (K / 32 floats each: the scale, and dx * sum xq). */
-static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, float *sx) {
+/* Row r of x -> xq (K int8), dx and sx (K / 32 floats each: the scale, and dx * sum xq), and
+ * the sums themselves (K / 32 int32: the AVX2 path's 8-bit correction). */
+static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, float *sx, int32_t *sq) {
     for (int64_t b = 0; b < K / QBLOCK; b++) {
         const float *xb = x + b * QBLOCK;
         float amax = 0.0f;
@@ -99,6 +115,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, float
         }
         dx[b] = d;
         sx[b] = d * (float)sum;
+        sq[b] = sum;
     }
 }
 
@@ -134,9 +151,97 @@ static void panel_portable(const int8_t *xq, const float *dx, const float *sx, i
 }
 
 #if defined(__x86_64__)
+#include <immintrin.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+/* M rows (a compile-time constant <= ATILE) of one panel; sq: the rows' sums of xq per block. */
+static inline __attribute__((always_inline)) void panel_avx2(const int8_t *xq, const float *dx, const float *sx,
+                                                            const int32_t *sq, int64_t K, const uint8_t *w,
+                                                            const int bits, const int has_m, const float *bias,
+                                                            float *y, int64_t ldy, const int M) {
+    const int64_t nb = K / QBLOCK;
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[ATILE][2];
+    for (int h = 0; h < 2; h++) {
+        const __m256 b0 = bias ? _mm256_loadu_ps(bias + 8 * h) : _mm256_setzero_ps();
+        for (int r = 0; r < M; r++) acc[r][h] = b0;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = block_q(w, bits, has_m, b);
+        const uint16_t *ds = block_d(w, bits, has_m, b);
+        for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7: bytes 32h .. 32h + 31 of every vector */
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + 8 * h)));
+            const __m256 m = has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + 16 + 8 * h)))
+                                   : _mm256_mul_ps(d, _mm256_set1_ps(m_per_d(bits)));
+            __m256i wv[8]; /* 4 bits: q of inputs 4i.. (low nibbles), then 16 + 4i.. (high); 8 bits: |q| */
+            __m256i sg[8]; /* 8 bits: the signed q, whose signs the activations take */
+            if (bits == 4) {
+                for (int i = 0; i < 4; i++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wb + 64 * i + 32 * h));
+                    wv[i] = _mm256_and_si256(v, low);
+                    wv[4 + i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+            } else {
+                for (int g = 0; g < 8; g++) {
+                    sg[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + 64 * g + 32 * h)), flip);
+                    wv[g] = _mm256_abs_epi8(sg[g]);
+                }
+            }
+            for (int r = 0; r < M; r++) {
+                const int32_t *x4 = (const int32_t *)(xq + r * K + b * QBLOCK);
+                __m256i si;
+                if (bits == 4) { /* 8 vectors of pairs <= 3810 each: their int16 sum fits */
+                    __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_set1_epi32(x4[0]));
+                    for (int i = 1; i < 8; i++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[i], _mm256_set1_epi32(x4[i])));
+                    si = _mm256_madd_epi16(s16, ones);
+                } else { /* sum (q + 128) xq = sum |q| (sign(q) xq) + 128 sum xq */
+                    __m256i s0 = _mm256_set1_epi32(128 * sq[r * nb + b]), s1 = _mm256_setzero_si256();
+                    for (int g = 0; g < 8; g += 2) {
+                        const __m256i p0 = _mm256_maddubs_epi16(wv[g], _mm256_sign_epi8(_mm256_set1_epi32(x4[g]), sg[g]));
+                        const __m256i p1 = _mm256_maddubs_epi16(wv[g + 1], _mm256_sign_epi8(_mm256_set1_epi32(x4[g + 1]), sg[g + 1]));
+                        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, ones));
+                        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, ones));
+                    }
+                    si = _mm256_add_epi32(s0, s1);
+                }
+                const __m256 s = _mm256_cvtepi32_ps(si);
+                acc[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < M; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + r * ldy + 8 * h, acc[r][h]);
+}
+
+#define ACASE(rows)                                                                              \
+    case rows:                                                                                   \
+        if (has_m) panel_avx2(xr, dr, sr, qr, K, w, 4, 1, bias, yr, ldy, rows);                 \
+        else if (bits == 4) panel_avx2(xr, dr, sr, qr, K, w, 4, 0, bias, yr, ldy, rows);        \
+        else panel_avx2(xr, dr, sr, qr, K, w, 8, 0, bias, yr, ldy, rows);                       \
+        break;
+
+/* Rows [0, M) of one panel, M <= QTILE, ATILE rows at a time (each a pass over the panel: the
+ * second pass finds it in L2). */
+static void panel_avx2_rows(const int8_t *xq, const float *dx, const float *sx, const int32_t *sq, int64_t K,
+                            const uint8_t *w, int bits, int has_m, const float *bias, float *y, int64_t ldy,
+                            int64_t M) {
+    const int64_t nb = K / QBLOCK;
+    for (int64_t r0 = 0; r0 < M; r0 += ATILE) {
+        const int8_t *xr = xq + r0 * K;
+        const float *dr = dx + r0 * nb, *sr = sx + r0 * nb;
+        const int32_t *qr = sq + r0 * nb;
+        float *yr = y + r0 * ldy;
+        switch (M - r0 < ATILE ? M - r0 : ATILE) { ACASE(1) ACASE(2) ACASE(3) ACASE(4) }
+    }
+}
+#undef ACASE
+#pragma GCC pop_options
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,f16c,fma")
-#include <immintrin.h>
 
 /* M rows (a compile-time constant <= QTILE) of one panel. */
 static inline __attribute__((always_inline)) void panel_vnni(const int8_t *xq, const float *dx, const float *sx,
@@ -268,9 +373,20 @@ static int have_vbmi(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vbmi");
 }
+static int have_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 #else
 static int have_vnni(void) { return 0; }
 static int have_vbmi(void) { return 0; }
+static int have_avx2(void) { return 0; }
+static void panel_avx2_rows(const int8_t *xq, const float *dx, const float *sx, const int32_t *sq, int64_t K,
+                            const uint8_t *w, int bits, int has_m, const float *bias, float *y, int64_t ldy,
+                            int64_t M) {
+    (void)sq;
+    panel_portable(xq, dx, sx, K, w, bits, has_m, bias, y, ldy, M);
+}
 static void panel_deq_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *w, int bits, int has_m,
                            const float *bias, float *y, int64_t ldy, int64_t M) {}
 static void panel_vnni_rows(const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *w,
@@ -279,16 +395,26 @@ static void panel_vnni_rows(const int8_t *xq, const float *dx, const float *sx, 
 }
 #endif
 
-/* 1 where the AVX512-VNNI path runs; `portable` nonzero forces the portable one (tests). */
-int quant_matmul_path(int portable) {
-    force_portable = portable;
-    return !force_portable && have_vnni();
+/* The path that runs: the fastest this CPU has, up to `most`. */
+static int path_in_force(void) {
+    if (most >= PATH_VNNI && have_vnni()) return PATH_VNNI;
+    if (most >= PATH_AVX2 && have_avx2()) return PATH_AVX2;
+    return PATH_PORTABLE;
+}
+
+/* The path the quantized matmul runs: 0 the portable loop, 1 AVX2 (with FMA and F16C), 2
+ * AVX512-VNNI. `limit` >= 0 allows none faster than it from now on (tests force the slower ones;
+ * 2: the fastest the CPU has); below 0 it only asks. */
+int quant_matmul_path(int limit) {
+    if (limit >= 0) most = limit;
+    return path_in_force();
 }
 
 /* Steps of at most `rows` rows (<= DEQ_ROWS) take the float32 path where the CPU has AVX512-VBMI;
  * returns the limit in force (0: none). */
 int quant_matmul_dequant_rows(int rows) {
     dequant_rows = rows < 0 ? 0 : rows > DEQ_ROWS ? DEQ_ROWS : rows;
+    /* (An AVX-512 path: taken only where the VNNI one is allowed, quant_share.) */
     if (!have_vbmi()) dequant_rows = 0;
     return dequant_rows;
 }
@@ -310,25 +436,29 @@ static inline void thread_panels(int64_t num_panels, int t, int nt, int64_t *p0,
     *p1 = first + per < num_panels ? first + per : num_panels;
 }
 
-/* Rows [m0, m0 + rows) of panel p. */
-static inline void rows_by_panel(const int8_t *xq, const float *dx, const float *sx, int64_t K, const uint8_t *w,
-                                 int64_t p, int64_t pb, int bits, int has_m, const float *bias, float *y, int64_t ldy,
-                                 int64_t m0, int64_t rows, int vnni) {
+/* Rows [m0, m0 + rows) of panel p, on `path`. */
+static inline void rows_by_panel(const int8_t *xq, const float *dx, const float *sx, const int32_t *sq, int64_t K,
+                                 const uint8_t *w, int64_t p, int64_t pb, int bits, int has_m, const float *bias,
+                                 float *y, int64_t ldy, int64_t m0, int64_t rows, int path) {
     const int64_t nb = K / QBLOCK;
     const float *bp = bias ? bias + p * 16 : 0;
     float *yr = y + m0 * ldy + p * 16;
-    if (vnni) panel_vnni_rows(xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, panel_at(w, p, pb), bits, has_m, bp, yr, ldy, rows);
-    else panel_portable(xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, panel_at(w, p, pb), bits, has_m, bp, yr, ldy, rows);
+    const uint8_t *wp = panel_at(w, p, pb);
+    if (path == PATH_VNNI) panel_vnni_rows(xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, wp, bits, has_m, bp, yr, ldy, rows);
+    else if (path == PATH_AVX2)
+        panel_avx2_rows(xq + m0 * K, dx + m0 * nb, sx + m0 * nb, sq + m0 * nb, K, wp, bits, has_m, bp, yr, ldy, rows);
+    else panel_portable(xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, wp, bits, has_m, bp, yr, ldy, rows);
 }
 
 /* One thread's share of a matmul, on a team of threads all calling it: xq, dx: this thread's int8
- * copy of x and its scales, where `own` (each thread quantizes every row itself, so the threads
+ * copy of x and its scales (then the scaled sums, then the sums: 3 M K / 32 words), where `own` (each thread quantizes every row itself, so the threads
  * meet only at the end), else the team's one copy, which the team quantizes row by row first. */
 static void quant_share(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K, int bits, int has_m, int own, int8_t *xq, float *dx) {
     const int64_t nb = K / QBLOCK, num_panels = N / 16, pb = panel_bytes(bits, has_m, nb);
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    if (M <= dequant_rows && !force_portable) {
+    const int path = path_in_force();
+    if (M <= dequant_rows && path == PATH_VNNI) {
         int64_t p0, p1;
         thread_panels(num_panels, t, nt, &p0, &p1);
         for (int64_t p = p0; p < p1; p++)
@@ -336,23 +466,23 @@ static void quant_share(const float *x, int64_t ldx, const uint8_t *w, const flo
         return;
     }
     float *sx = dx + M * nb;
+    int32_t *sq = (int32_t *)(dx + 2 * M * nb);
     if (own) {
-        for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
+        for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb, sq + r * nb);
     } else {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb);
+        for (int64_t r = 0; r < M; r++) quantize_row(x + r * ldx, K, xq + r * K, dx + r * nb, sx + r * nb, sq + r * nb);
     }
-    const int vnni = !force_portable && have_vnni();
     const int64_t groups = (M + QTILE - 1) / QTILE, group = (M + groups - 1) / groups;
     if (groups == 1) { /* each thread its part of the panels (one stream across the step's matrices) */
         int64_t p0, p1;
         thread_panels(num_panels, t, nt, &p0, &p1);
-        for (int64_t p = p0; p < p1; p++) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, 0, M, vnni);
+        for (int64_t p = p0; p < p1; p++) rows_by_panel(xq, dx, sx, sq, K, w, p, pb, bits, has_m, bias, y, ldy, 0, M, path);
     } else { /* this thread's run of the (row group, panel) items, in equal runs */
         const int64_t items = groups * num_panels;
         for (int64_t item = items * t / nt; item < items * (t + 1) / nt; item++) {
             const int64_t m0 = item / num_panels * group, p = item % num_panels, rows = M - m0 < group ? M - m0 : group;
-            if (rows > 0) rows_by_panel(xq, dx, sx, K, w, p, pb, bits, has_m, bias, y, ldy, m0, rows, vnni);
+            if (rows > 0) rows_by_panel(xq, dx, sx, sq, K, w, p, pb, bits, has_m, bias, y, ldy, m0, rows, path);
         }
     }
 }
@@ -365,7 +495,7 @@ static void quant_share(const float *x, int64_t ldx, const uint8_t *w, const flo
 static int linear_quant(const float *x, int64_t ldx, const uint8_t *w, const float *bias, float *y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K, int num_threads, int bits, int has_m) {
     if (M <= 0) return 0;
-    const int64_t nb = K / QBLOCK, xq_size = (M * K + 63) / 64 * 64, dx_size = 2 * M * nb;
+    const int64_t nb = K / QBLOCK, xq_size = (M * K + 63) / 64 * 64, dx_size = 3 * M * nb;
     /* A few rows: every thread quantizes them all into its own copy, so the threads meet only
      * once, at the end (decode steps run ~10 such matmuls a layer). More rows are split. A member
      * of the caller's team has its own copy (each member calls this). */
