@@ -62,7 +62,9 @@ def kind_of(body: dict) -> str:
         return "model"
     if "rows" in body and body.get("rows") and "policy" in body["rows"][0]:
         return "policies"
-    raise ValueError("not a result file `bench summary` knows (compare, kv, model or policies)")
+    if "rows" in body and body.get("rows") and "routing" in body["rows"][0]:
+        return "routing"
+    raise ValueError("not a result file `bench summary` knows (compare, kv, model, policies or routing)")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -94,6 +96,22 @@ def _policies(body: dict) -> str:
                    "stalled steps"], rows)
 
 
+def _routing(body: dict) -> str:
+    """`bench replicas` (simulated: replicas, rate per replica, the gateway's index) or
+    `bench.live.replicas` (two pairs live: conversations/s) rows."""
+    simulated = "replicas" in body["rows"][0]
+    rows = []
+    for r in body["rows"]:
+        head = [str(r["replicas"]), f"{r['rate_per_replica']:g}"] if simulated else [f"{r['rate']:g}"]
+        tail = [f"{r['index_peak_mib']:.1f} MiB, {r['index_events_per_s']:.0f}/s"] if simulated else []
+        rows.append([*head, r["routing"], f"{100 * r['cached_token_share']:.1f}%",
+                     f"{r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} ms", f"{100 * r['ttft_attainment']:.1f}%",
+                     f"{100 * r['tbt_attainment']:.1f}%", *tail])
+    head = ["replicas", "conv/s per replica"] if simulated else ["conv/s"]
+    tail = ["gateway index (peak, events)"] if simulated else []
+    return _table([*head, "routing", "prompt tokens from cache", "TTFT p50 / p90", "TTFT att.", "TBT att.", *tail], rows)
+
+
 def when(entry: dict) -> str:
     """The run's date (from its file name or body) and the commit it ran at, as the page shows them."""
     stamp = (entry["body"].get("created") or entry.get("date") or entry["source"].removeprefix("compare_"))[:15]
@@ -105,7 +123,8 @@ def render_entry(entry: dict, keys: list[str]) -> str:
     from bench.live import compare  # the compare run's own table, so both pages agree
 
     body = entry["body"]
-    table = {"compare": compare.markdown, "kv": _kv, "model": _model, "policies": _policies}[entry["kind"]](body)
+    table = {"compare": compare.markdown, "kv": _kv, "model": _model, "policies": _policies,
+             "routing": _routing}[entry["kind"]](body)
     made = f", made by `{entry['command']}`" if entry.get("command") else ""
     parts = [f"## {entry['title']}", f"Current for {', '.join(f'`{k}`' for k in keys)}. "
              f"Run `{entry['source']}` ({when(entry)}){made}."]

@@ -65,3 +65,18 @@ def test_a_file_of_unknown_shape_is_refused(tmp_path):
     path.write_text(json.dumps({"something": 1}))
     with pytest.raises(ValueError, match="not a result file"):
         summary.add({"entries": []}, "x", path, "X", None, None)
+
+
+def test_routing_runs_render_simulated_and_live(tmp_path):
+    row = {"routing": "cache-aware", "cached_token_share": 0.474, "ttft_p50_ms": 64.0, "ttft_p90_ms": 346.0,
+           "ttft_attainment": 1.0, "tbt_attainment": 0.996}
+    sim = tmp_path / "replicas.json"
+    sim.write_text(json.dumps({"rows": [{**row, "replicas": 8, "rate_per_replica": 8.0, "index_peak_mib": 0.6,
+                                         "index_events_per_s": 506.0}]}))
+    live = tmp_path / "replicas_live.json"
+    live.write_text(json.dumps({"rows": [{**row, "rate": 0.3}]}))
+    rows = summary.add({"entries": []}, "sim", sim, "Simulated", None, None, ["routing-sim"])
+    rows = summary.add(rows, "live", live, "Live", None, None, ["routing-live"])
+    page = summary.render(rows)
+    assert "| 8 | 8 | cache-aware | 47.4% | 64 / 346 ms | 100.0% | 99.6% | 0.6 MiB, 506/s |" in page
+    assert "| 0.3 | cache-aware | 47.4% | 64 / 346 ms | 100.0% | 99.6% |" in page
