@@ -253,7 +253,7 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         run.step_num_sampled.append(len(sampled))
         run.compute_ms.append(compute_s * 1e3)
         run.xfer_ms.append(x.total_s * 1e3)
-        last = [STOP if num_samples[int(r)] == items[int(r)].output_tokens else TOKEN for r in sampled]
+        last = [STOP if num_samples[i] == items[i].output_tokens else TOKEN for i in map(int, sampled)]
         return InFlight(plan.step_id, sampled, last, end, compute_s)
 
     def idle() -> None:  # a schedule() call that built no plan
@@ -348,10 +348,12 @@ def plan_work(plan, items: list[WorkItem], num_samples: list[int]) -> tuple[Step
     """What the plan computes, and which requests sample (the core's rule, `samples`: the
     scheduled tokens reach the end of the known ones, prompt + every sample planned before)."""
     work, sampled = StepWork(), []
+    add = work.add
     for s in plan.scheduled:
         i = int(s.request_id)
-        sample = samples(s.num_computed_tokens, s.num_new_tokens, items[i].prompt_tokens + num_samples[i])
-        work.add(s.num_computed_tokens, s.num_new_tokens, sample)
+        num_computed, num_new = s.num_computed_tokens, s.num_new_tokens
+        sample = samples(num_computed, num_new, items[i].prompt_tokens + num_samples[i])
+        add(num_computed, num_new, sample)
         if sample:
             num_samples[i] += 1
             sampled.append(s.request_id)

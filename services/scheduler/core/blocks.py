@@ -60,6 +60,7 @@ request that lets go of one (finish, preemption, rotation) only lowers its count
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -82,7 +83,6 @@ class BlockPool:
         # (LRU first). `_busy`: cached blocks an in-flight step touches (block -> step id).
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.index: dict[bytes, int] = {}
-        self.index_version = 0  # changes whenever `index` does (for memos of lookups)
         # Hashes someone watches (`watch`): hash -> {key: (the answer kept, its position)}.
         self._watched: dict[bytes, dict[object, tuple[dict[int, int], int]]] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()
@@ -156,15 +156,16 @@ class BlockPool:
     def _evict(self, n: int, clean: bool) -> list[int]:
         """`n` cached blocks, least recently freed first, their hashes forgotten; `clean`:
         none an in-flight step touches."""
-        out: list[int] = []
-        for b in self._cached:
-            if len(out) == n:
-                break
-            if not (clean and b in self._busy):
-                out.append(b)
+        if n <= 0:
+            return []
+        cached, busy = self._cached, self._busy
+        if clean and busy:
+            out = list(itertools.islice((b for b in cached if b not in busy), n))
+        else:
+            out = list(itertools.islice(cached, n))
         for b in out:
-            del self._cached[b]
-            self._busy.pop(b, None)
+            del cached[b]
+            busy.pop(b, None)
             self.unhash(b)
         return out
 
@@ -176,36 +177,40 @@ class BlockPool:
         if self.hash_of[b] is None and h not in self.index:
             self.hash_of[b] = h
             self.index[h] = b
-            self.index_version += 1
-            for found, i in self._watched.get(h, {}).values():
-                found[i] = b
+            if (watchers := self._watched.get(h)) is not None:
+                for found, i in watchers.values():
+                    found[i] = b
 
     def unhash(self, b: int) -> None:
         h = self.hash_of[b]
         if h is not None:
             del self.index[h]
             self.hash_of[b] = None
-            self.index_version += 1
-            for found, i in self._watched.get(h, {}).values():
-                del found[i]
+            if (watchers := self._watched.get(h)) is not None:
+                for found, i in watchers.values():
+                    del found[i]
 
     def watch(self, key: object, hashes: list[bytes]) -> dict[int, int]:
         """Position -> block for those of `hashes` the index holds, kept up to date by every
         later change of the index until `unwatch(key, hashes)` (admission asks which blocks
         of every rotated-out request are still here, step after step)."""
-        found = {}
+        found: dict[int, int] = {}
+        index, watched = self.index, self._watched
         for i, h in enumerate(hashes):
-            if (b := self.index.get(h)) is not None:
+            if (b := index.get(h)) is not None:
                 found[i] = b
-            self._watched.setdefault(h, {})[key] = (found, i)
+            if (watchers := watched.get(h)) is None:
+                watchers = watched[h] = {}
+            watchers[key] = (found, i)
         return found
 
     def unwatch(self, key: object, hashes: list[bytes]) -> None:
+        watched = self._watched
         for h in hashes:
-            if (w := self._watched.get(h)) is not None:
+            if (w := watched.get(h)) is not None:
                 w.pop(key, None)
                 if not w:
-                    del self._watched[h]
+                    del watched[h]
 
     def lookup(self, h: bytes) -> int | None:
         return self.index.get(h)
@@ -246,7 +251,8 @@ class BlockPool:
         plain: list[int] = []
         deferred_again: list[int] = []
         busy: list[int] = []
-        ref, deferred_until = self.ref, self._deferred_until
+        ref, deferred_until, hash_of, cached = self.ref, self._deferred_until, self.hash_of, self._cached
+        newly_cached = self.newly_cached if self.track_cached else None
         for b in reversed(ids):  # the tail of a sequence is evicted before its prefix
             ref[b] -= 1
             if ref[b] > 0:
@@ -257,15 +263,16 @@ class BlockPool:
                     deferred_until[b] = busy_step
                     deferred_again.append(b)
                 continue
-            if self.hash_of[b] is not None:
-                self._cached[b] = None
-                if self.track_cached:
-                    self.newly_cached.append(b)
+            if hash_of[b] is not None:
+                cached[b] = None
+                if newly_cached is not None:
+                    newly_cached.append(b)
                 if busy_step is not None:
-                    self._busy[b] = busy_step
                     busy.append(b)
             else:
                 plain.append(b)
+        if busy:
+            self._busy.update(dict.fromkeys(busy, busy_step))
         if deferred_again:
             _insert(self._deferred, busy_step, deferred_again)
         if busy:
@@ -281,26 +288,28 @@ class BlockPool:
         """Drop one reference on each; free those no request holds once the result of step
         `step_id` is in (rule 1 above). A shared block only loses the reference."""
         out: list[int] = []
+        ref, deferred_until = self.ref, self._deferred_until
         for b in ids:
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
+            ref[b] -= 1
+            if ref[b] == 0:
                 out.append(b)
-                self._deferred_until[b] = step_id
+                deferred_until[b] = step_id
         if out:
             _insert(self._deferred, step_id, out)
             self.num_deferred += len(out)
 
     def release_through(self, step_id: int) -> None:
+        ref, deferred_until = self.ref, self._deferred_until
         while self._deferred and self._deferred[0][0] <= step_id:
             s, ids = self._deferred.pop(0)
             released: list[int] = []
             for b in ids:
-                if self._deferred_until.get(b) != s:
+                if deferred_until.get(b) != s:
                     continue  # deferred again by a later step
-                del self._deferred_until[b]
-                if self.ref[b] == 0:
+                del deferred_until[b]
+                if ref[b] == 0:
                     self.num_deferred -= 1
-                    self.ref[b] = 1
+                    ref[b] = 1
                     released.append(b)
             released.reverse()  # `free` walks its list from the end: freed in `ids` order
             self.free(released)
@@ -310,9 +319,10 @@ class BlockPool:
             self.num_recent -= len(ids)
         while self._busy_steps and self._busy_steps[0][0] <= step_id:
             s, ids = self._busy_steps.pop(0)
+            busy = self._busy
             for b in ids:
-                if self._busy.get(b) == s:
-                    del self._busy[b]
+                if busy.get(b) == s:
+                    del busy[b]
 
     def trim_cached(self, max_cached: int) -> int:
         """Forget the least recently freed cached blocks (they become plain free blocks) until at

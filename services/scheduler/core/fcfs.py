@@ -43,26 +43,30 @@ def schedule_running(core: PolicyView, step: Step, order: list[Request], preempt
     """Give each running request its tokens, decodes before prefill chunks, in `order`.
     A request short of blocks preempts the request at the end of `order` that has not
     been scheduled this step (possibly itself); without `preempt` it waits a step."""
-    todo = [(req, n) for req in order if req.status is Status.RUNNING and (n := req.num_schedulable())]
-    decodes = [e for e in todo if e[1] == 1]
-    prefills = [e for e in todo if e[1] != 1]
-    memory, step_id = core.memory, step.step_id
+    running = Status.RUNNING
+    decodes: list[tuple[Request, int]] = []
+    prefills: list[tuple[Request, int]] = []
+    for req in order:
+        if req.status is running and (n := req.num_schedulable()):
+            (decodes if n == 1 else prefills).append((req, n))
+    memory, step_id, block_size = core.memory, step.step_id, core.memory.block_size
     victims = order if preempt else []
     for req, num_new in itertools.chain(decodes, prefills):
         if step.tokens_left == 0 or step.seqs_left == 0:
             return
-        if req.status is not Status.RUNNING or req.scheduled_step == step_id:
+        if req.status is not running or req.scheduled_step == step_id:
             continue  # preempted or scheduled since (`step.is_scheduled`)
         if num_new > 1:  # a decode is granted its token: the budgets are not spent
             # `num_new` is still its `num_schedulable()`: only its own scheduling or preemption changes that
             num_new = core.grant(req, step, wanted=num_new)
             if num_new == 0:
                 continue  # the step's prefill cap is spent
-        need = memory.blocks_needed(req, num_new)
+        need = -(-(req.num_computed_tokens + num_new) // block_size) - len(req.hbm_blocks)  # memory.blocks_needed
         step.num_blocks_wanted += need
-        if make_room(core, step, req, need, victims):
-            if need > 0:  # most decodes' last block has room
-                memory.grow(req, num_new)
+        if need <= 0:  # most decodes: their last block has room
+            step.schedule(req, num_new)
+        elif make_room(core, step, req, need, victims):
+            memory.grow(req, num_new)
             step.schedule(req, num_new)
 
 

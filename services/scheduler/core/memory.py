@@ -193,6 +193,16 @@ class Memory:
         num_clean = self.hbm.num_clean - sum(1 for b, in_dram in hits if not in_dram and self.hbm.is_clean(b))
         return num_load <= min(step.moves_left, num_clean)
 
+    def register_all(self, reqs: Iterable[Request]) -> None:
+        """`register` each of `reqs` (every running request, at the start of each step); most
+        have no new full block, which the test inlined here tells without a call."""
+        if not self.caching:
+            return
+        bs = self.block_size
+        for req in reqs:
+            if req.num_computed_tokens >= (req.num_hashed_blocks + 1) * bs:
+                self.register(req)
+
     def register(self, req: Request) -> None:
         """Name `req`'s full HBM blocks of known tokens in the cache. Call it only for KV
         planned in steps before the one being built (a step must not read a block that

@@ -104,7 +104,7 @@ class SchedulerCore:
         )
         r.predicted_output = self.predictor(r)
         self.requests[r.request_id] = r
-        self._track_demand(r)
+        self._track_demand([r])
         self._enqueue(r)
 
     def _validate(self, req: AddRequest, admitted: bool) -> None:
@@ -206,8 +206,7 @@ class SchedulerCore:
             free_hbm_at_start=memory.hbm.num_free,
             fits_all=self.num_demand_blocks <= memory.hbm.num_blocks,
         )
-        for req in self.running.values():
-            memory.register(req)  # blocks filled by earlier steps become hits for this one
+        memory.register_all(self.running.values())  # blocks filled by earlier steps become hits for this one
         if memory.num_tier_blocks:
             memory.begin_step(step, functools.partial(plan_loads, cfg, memory, self.step_time.fit(), step))
         if cfg.is_lvf and not step.fits_all:
@@ -222,8 +221,7 @@ class SchedulerCore:
             memory.mirror(self.running.values(), step)
         if memory.num_tier_blocks:
             self.offload(step)
-        for req in step.scheduled:
-            self._track_demand(req)
+        self._track_demand(step.scheduled)
         self.last_step = step
         self.num_left_out = len(self.q_waiting) + len(self.q_rotary)
         busy = step.scheduled or step.num_moved or step.num_preempted or self.pending_drops
@@ -335,10 +333,15 @@ class SchedulerCore:
         for q in (self.q_waiting, self.q_rotary, self.q_first, self.q_emitted):
             q.remove(req)
 
-    def _track_demand(self, req: Request) -> None:
-        num = blocks_for(req.num_known, self.cfg.block_size)
-        self.num_demand_blocks += num - req.demand_blocks
-        req.demand_blocks = num
+    def _track_demand(self, reqs: list[Request]) -> None:
+        """Bring `num_demand_blocks` up to date with `reqs`' known tokens (every scheduled
+        request, each step: `blocks_for(req.num_known)`, inlined)."""
+        bs, change = self.cfg.block_size, 0
+        for req in reqs:
+            num = -(-(len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending) // bs)
+            change += num - req.demand_blocks
+            req.demand_blocks = num
+        self.num_demand_blocks += change
 
     # ------------------------------------------------------------ introspection
 

@@ -65,7 +65,8 @@ class Step:
         """Advance `req` by `num_new_tokens` (its blocks must already be allocated)."""
         req.step_new_tokens = num_new_tokens
         req.scheduled_step = self.step_id
-        if samples(req.num_computed_tokens, num_new_tokens, req.num_known):
+        num_known = len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_pending  # `req.num_known`
+        if samples(req.num_computed_tokens, num_new_tokens, num_known):
             req.num_pending += 1  # its token's position is known, its id when the result is back
         req.num_computed_tokens += num_new_tokens
         self.tokens_left -= num_new_tokens
