@@ -86,8 +86,10 @@ def holds_all(core: PolicyView) -> bool:
     artifact's next step) holds every running request's next tokens and every paused one whole."""
     memory = core.memory
     num_free = memory.hbm.num_free + memory.hbm.num_deferred
+    block_size = memory.block_size
     for req in core.running.values():
-        num_free -= max(memory.blocks_needed(req, req.num_schedulable()), 0)
+        num_tokens = req.num_computed_tokens + req.num_schedulable()
+        num_free -= max(-(-num_tokens // block_size) - len(req.hbm_blocks), 0)  # memory.blocks_needed
         if num_free < 0:
             return False
     for req in paused(core):
@@ -121,23 +123,25 @@ def swap_out_early(core: PolicyView, step: Step) -> bool:
 
 def schedule_in_order(core: PolicyView, step: Step, order: list[Request]) -> bool:
     """The running pass; whether it ended on a partial prefill chunk (then nobody is admitted)."""
+    memory, step_id, running = core.memory, step.step_id, Status.RUNNING
+    block_size = memory.block_size
     for req in order:
         if step.tokens_left == 0 or step.seqs_left == 0:
             return False
-        if req.status is not Status.RUNNING or step.is_scheduled(req):
-            continue  # swapped out by step 2, or by this pass for another's growth
+        if req.status is not running or req.scheduled_step == step_id:
+            continue  # swapped out by step 2, or by this pass for another's growth (`step.is_scheduled`)
         wanted = req.num_schedulable()
         if wanted == 0:
             continue  # its sample is in flight
-        num_new = core.grant(req, step, wanted=wanted)
+        num_new = wanted if wanted == 1 else core.grant(req, step, wanted=wanted)  # a decode fits any budget left
         if num_new == 0:
             return False
-        need = core.memory.blocks_needed(req, num_new)
-        step.num_blocks_wanted += max(need, 0)
-        if not make_room(core, step, req, need, order):
-            return False  # the artifact breaks out of its running loop here
-        if need > 0:
-            core.memory.grow(req, num_new)
+        need = -(-(req.num_computed_tokens + num_new) // block_size) - len(req.hbm_blocks)  # memory.blocks_needed
+        if need > 0:  # most decodes: their last block has room
+            step.num_blocks_wanted += need
+            if not make_room(core, step, req, need, order):
+                return False  # the artifact breaks out of its running loop here
+            memory.grow(req, num_new)
         step.schedule(req, num_new)
         if num_new < wanted:
             return True

@@ -181,6 +181,13 @@ class BlockPool:
                 for found, i in watchers.values():
                     found[i] = b
 
+    def register_all(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """`register` each of `blocks` with its hash (a request's blocks, once they are full)."""
+        hash_of, index = self.hash_of, self.index
+        for b, h in zip(blocks, hashes):
+            if hash_of[b] is None and h not in index:  # else `register` does nothing
+                self.register(b, h)
+
     def unhash(self, b: int) -> None:
         h = self.hash_of[b]
         if h is not None:
@@ -242,6 +249,15 @@ class BlockPool:
                 assert b in self._deferred_until, f"{self.name}: revived block {b} is neither cached nor deferred"
                 self.num_deferred -= 1
         self.ref[b] += 1
+
+    def revive_all(self, blocks: Iterable[int]) -> None:
+        """`revive` each of `blocks`; one already held only gains the reference."""
+        ref = self.ref
+        for b in blocks:
+            if ref[b] == 0:
+                self.revive(b)
+            else:
+                ref[b] += 1
 
     # ------------------------------------------------------------ release
 

@@ -49,7 +49,9 @@ def schedule_ltr(core: PolicyView, step: Step) -> None:
     for rid in guards.keys() - {r.request_id for r in live}:
         del guards[rid]
     for r in live:
-        g = guards.setdefault(r.request_id, Guard())
+        g = guards.get(r.request_id)
+        if g is None:
+            g = guards[r.request_id] = Guard()
         if g.idle >= STARVE_STEPS:
             g.promoted, g.idle, g.runs = True, 0, PROMOTE_STEPS
         elif g.promoted and g.runs <= 0:

@@ -215,8 +215,8 @@ class Memory:
         if num_full <= req.num_hashed_blocks:
             return
         self._hash(req, num_full)
-        for i in range(req.num_hashed_blocks, num_full):
-            self.hbm.register(req.hbm_blocks[i], req.block_hashes[i])
+        first = req.num_hashed_blocks
+        self.hbm.register_all(req.hbm_blocks[first:num_full], req.block_hashes[first:num_full])
         req.num_hashed_blocks = num_full
 
     def _hash(self, req: Request, num_blocks: int) -> None:
@@ -255,10 +255,10 @@ class Memory:
         """Full blocks from `start` among `req`'s first `num_tokens` KV positions whose content
         a DRAM block already holds (another request's mirror or rotated-out copy, or
         cached): block index -> DRAM block."""
-        hashes = req.block_hashes
+        hashes, lookup = req.block_hashes, self.dram.index.get  # `self.dram.lookup`
         shared: dict[int, int] = {}
         for i in range(start, self._num_full(req, num_tokens)):
-            d = self.dram.lookup(hashes[i])
+            d = lookup(hashes[i])
             if d is not None:
                 shared[i] = d
         return shared
@@ -325,7 +325,7 @@ class Memory:
         num_blocks, num_mirrored = len(req.hbm_blocks), len(req.dram_blocks)
         shared = self._dram_shared(req, num_mirrored, req.num_computed_tokens)
         num_copy = num_blocks - num_mirrored - len(shared)
-        return num_copy, num_copy + sum(1 for d in shared.values() if self.dram.is_cached(d))
+        return num_copy, num_copy + self.dram.count_cached(shared.values())
 
     def preempt_swap(self, req: Request, step: Step) -> None:
         """Move `req` to DRAM: mirrored blocks are freed now, the rest is copied and freed
@@ -336,8 +336,7 @@ class Memory:
         req.num_hashed_blocks = 0
         hbm_blocks, num_mirrored = req.hbm_blocks, len(req.dram_blocks)
         shared = self._dram_shared(req, num_mirrored, req.num_computed_tokens)
-        for d in shared.values():
-            self.dram.revive(d)
+        self.dram.revive_all(shared.values())
         copied = [i for i in range(num_mirrored, len(hbm_blocks)) if i not in shared]
         dst = self.dram.allocate(len(copied))
         num_full = self._num_full(req, req.num_computed_tokens)
@@ -394,8 +393,7 @@ class Memory:
         reused = self.hbm_reuse(req)
         self._forget_reuse(req)  # `reused` stays as it is now
         self._num_revived.pop(req.request_id, None)
-        for b in reused.values():
-            self.hbm.revive(b)  # before allocating: allocation may evict cached blocks
+        self.hbm.revive_all(reused.values())  # before allocating: allocation may evict cached blocks
         copied = [i for i in range(len(src)) if i not in reused]
         dst = self.hbm.allocate_clean(len(copied))
         step.swap_in += [(src[i], b) for i, b in zip(copied, dst)]
@@ -421,14 +419,14 @@ class Memory:
         as synced only if a plan before this one filled it (this plan's compute runs after
         its copies); a request swapped in by this plan is skipped (its HBM blocks are being
         written)."""
-        dram = self.dram
+        dram, block_size, step_id = self.dram, self.block_size, step.step_id
         for req in running:
-            if req.swap_in_step == step.step_id:
+            if req.swap_in_step == step_id:
                 continue
             done = req.num_computed_tokens
-            if step.is_scheduled(req):
+            if req.scheduled_step == step_id:  # `step.is_scheduled(req)`
                 done -= req.step_new_tokens
-            num_synced = done // self.block_size
+            num_synced = done // block_size
             i = len(req.dram_blocks)
             if num_synced <= i:
                 continue

@@ -149,6 +149,7 @@ class SchedulerCore:
             self.step_time.observe(num_tokens, result.timings.compute_s)
         outputs: list[TokenOutput] = []
         live, logprobs, prompt_logprobs = self.requests, result.logprobs, result.prompt_logprobs
+        running = Status.RUNNING
         for request_id, token in zip(result.request_ids, result.token_ids):
             req = live.get(request_id)
             if req is None or req.num_pending == 0:
@@ -157,10 +158,10 @@ class SchedulerCore:
             req.output_token_ids.append(token)
             req.last_token_time = now
             params = req.params
-            reason = req.finish_check(token in params.stop_token_ids and not params.ignore_eos)
+            reason = req.finish_check(not params.ignore_eos and token in params.stop_token_ids)
             if reason is not None:
                 self._finish(req, Status.FINISHED, reason)
-            elif req.status is not Status.RUNNING:
+            elif req.status is not running:
                 self._enqueue(req)  # its lag key moved
             out = TokenOutput(request_id, [token], reason)
             if len(req.output_token_ids) == 1:
@@ -245,6 +246,7 @@ class SchedulerCore:
     def _build_plan(self, step: Step) -> Plan:
         new_requests: list[NewRequestData] = []
         scheduled: list[ScheduledRequest] = []
+        num_tokens = 0
         for req in step.scheduled:
             if not req.sent:
                 req.sent = True
@@ -253,6 +255,7 @@ class SchedulerCore:
                     NewRequestData(req.request_id, req.prompt_token_ids, req.params, list(req.output_token_ids))
                 )
             scheduled.append(_scheduled_entry(req))
+            num_tokens += req.step_new_tokens
         plan = Plan(
             step_id=step.step_id,
             new_requests=new_requests,
@@ -263,7 +266,7 @@ class SchedulerCore:
             drop=self.pending_drops,
         )
         self.pending_drops = []
-        self._step_tokens[step.step_id] = sum(r.step_new_tokens for r in step.scheduled)
+        self._step_tokens[step.step_id] = num_tokens
         self.step_id += 1
         return plan
 
