@@ -34,8 +34,10 @@ one ends at the earliest) and the client's latency on top of the scheduler's tok
 (`client_latency_ms`, added to each request's TTFT and end-to-end time).
 
 The scheduling time is modelled (the profile's `sched_ms`, or `--sched-time MS`);
-`--sched-time measured` uses the wall time of the real `schedule()` call instead (runs are
-then no longer bit-for-bit repeatable).
+`--sched-time measured` uses the real `schedule()` call's time instead, as the CPU time of
+the thread that runs it (runs are then no longer bit-for-bit repeatable): on cores shared
+with other processes, wall time would also count the time the others ran, and a slower
+simulated step leaves more work to every later one.
 """
 
 from __future__ import annotations
@@ -275,7 +277,7 @@ def simulate(items: list[WorkItem], setup: SimSetup) -> SimRun:
         check()
 
     depth = setup.pipeline_depth or default_pipeline_depth(on_cpu=not hw.pipeline)
-    driver = Driver(core, send, depth, time.perf_counter)
+    driver = Driver(core, send, depth, time.thread_time)
     first = [(it.arrival_s, req) for it, req in zip(items, requests) if it.turn == 0]
     arrivals = sorted(first, key=lambda a: a[0])
     run_clock(driver, arrivals, idle=idle, applied=applied)

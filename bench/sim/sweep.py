@@ -38,11 +38,13 @@ from bench.sim.engine import SimRun, SimSetup, make_setup, simulate
 from services.scheduler.core import POLICIES, SchedulerConfig
 from shared.config import PIPELINE_DEPTHS
 
-# Row keys that depend on this machine's wall clock, not on the simulation.
-WALL_KEYS = ("wall_s", "sched_wall_ms_p50", "sched_wall_ms_p99")
+# Row keys that depend on this machine's clocks, not on the simulation.
+WALL_KEYS = ("wall_s", "cpu_s", "sched_wall_ms_p50", "sched_wall_ms_p99")
 
 
-def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: float, wall_s: float) -> dict:
+def row_of(
+    run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: float, wall_s: float, cpu_s: float = 0.0
+) -> dict:
     """One result row: the knobs, the SLO metrics (as `bench serve` reports them) and what
     the scheduler and the worker did."""
     s = summarize(run.records, ttft_slo, tbt_slo, run.duration_s)
@@ -83,6 +85,7 @@ def row_of(run: SimRun, setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: 
         "xfer_ms_mean": _mean(run.xfer_ms),
         "stall_share": run.stall_s / total_s if total_s else 0.0,
         "wall_s": wall_s,
+        "cpu_s": cpu_s,  # the run's own CPU time (its process's, user + system)
         "sched_wall_ms_p50": _pct(run.sched_wall_ms, 50),
         "sched_wall_ms_p99": _pct(run.sched_wall_ms, 99),
     }
@@ -100,9 +103,9 @@ def _pct(xs: list[float], p: int) -> float:
 
 
 def run_one(items: list[WorkItem], setup: SimSetup, rate: float, ttft_slo: float, tbt_slo: float) -> dict:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run = simulate(items, setup)
-    return row_of(run, setup, rate, ttft_slo, tbt_slo, time.perf_counter() - t0)
+    return row_of(run, setup, rate, ttft_slo, tbt_slo, time.perf_counter() - t0, time.process_time() - c0)
 
 
 # ---------------------------------------------------------------- sweeps
@@ -265,7 +268,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--hbm-blocks", type=int, default=None, help="override the HBM pool size")
     p.add_argument("--dram-blocks", type=int, default=None, help="override the DRAM pool size")
-    p.add_argument("--sched-time", default="model", help="model (the profile's), measured (wall time), or milliseconds")
+    p.add_argument("--sched-time", default="model", help="model (the profile's), measured (schedule()'s CPU time), or milliseconds")
     p.add_argument(
         "--pipeline-depth",
         type=int,
