@@ -296,6 +296,11 @@ def setting_section(res: dict) -> list[str]:
     every = "; ".join(f"{k} {', '.join(f'{r:g}' for r in v)}" for k, v in st["artifact_rates"].items())
     sched = st["scheduler"]
     took = f"{st['seconds'] / 60:.1f} min wall ({st['cpu_seconds'] / 60:.0f} CPU-min, {st['jobs']} processes, {st['num_runs']} runs)"
+    if st.get("runs_cpu_seconds") is not None:  # an older record counted the main process only
+        took = (
+            f"{st['seconds'] / 60:.1f} min wall ({st['cpu_seconds'] / 60:.0f} CPU-min: {st['runs_cpu_seconds'] / 60:.0f} "
+            f"in the runs, on {st['jobs']} worker processes, the rest in the main one; {st['num_runs']} runs)"
+        )
     if st.get("num_missing"):
         took += (
             f"; {st['num_missing']} planned runs were left out at the `--max-minutes {st['max_minutes']:g}` deadline "

@@ -109,6 +109,7 @@ class Ctx:
         self.cache: dict[str, dict] = {}  # "job key|seed" -> that run's row
         self.cache_path: Path | None = None
         self.num_missing = 0  # runs left out at the deadline
+        self.runs_cpu_s = 0.0  # CPU time of the runs this invocation's workers ran (their rows' cpu_s)
         self._attempted: set[str] = set()
         self.deadline: float | None = None  # perf_counter time after which pending runs are dropped
 
@@ -216,7 +217,9 @@ class Ctx:
             futures = {pool.submit(sweep.run_one, *a): tag for tag, a in todo}
             try:
                 for f in as_completed(futures, timeout=left()):
-                    self._done(futures[f], f.result())
+                    row = f.result()
+                    self.runs_cpu_s += row.get("cpu_s", 0.0)
+                    self._done(futures[f], row)
             except FuturesTimeout:
                 print("  deadline: the runs still pending are left out", file=sys.stderr)
             pool.shutdown(wait=False, cancel_futures=True)

@@ -218,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
     res = experiments(ctx, args.full)
     res["setting"] = setting_record(ctx, args, time.perf_counter() - t0)
     if before:  # the whole run's time stays the first run's; the rerun is told apart
-        rerun = {k: res["setting"][k] for k in ("seconds", "cpu_seconds", "num_runs")}
-        res["setting"].update({k: before["setting"][k] for k in rerun}, rerun={"policies": args.rerun, **rerun})
+        rerun = {k: res["setting"][k] for k in ("seconds", "cpu_seconds", "runs_cpu_seconds", "num_runs")}
+        res["setting"].update({k: before["setting"].get(k) for k in rerun}, rerun={"policies": args.rerun, **rerun})
     write_csvs(res, args.results)
     (args.results / FULL_ROWS).write_text(json.dumps(res))
     record = reproduction.compact(res)
@@ -232,10 +232,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and its finished workers (user + system)."""
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+def cpu_seconds(ctx: Ctx) -> float:
+    """CPU time (user + system) of this process and of the runs its pool of workers did: each
+    run reports its own (`cpu_s`). Not the workers' rusage: a pool shut down without waiting
+    (the deadline) leaves them unreaped, and RUSAGE_CHILDREN counts only reaped children."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return own.ru_utime + own.ru_stime + ctx.runs_cpu_s
 
 
 def workload_record(items: list) -> dict:
@@ -256,7 +258,8 @@ def setting_record(ctx: Ctx, args: argparse.Namespace, seconds: float) -> dict:
     models = MODELS_FULL if args.full else MODELS_DEFAULT
     return {
         "seconds": seconds,
-        "cpu_seconds": cpu_seconds(),
+        "cpu_seconds": cpu_seconds(ctx),
+        "runs_cpu_seconds": ctx.runs_cpu_s,
         "jobs": args.jobs,
         "full": args.full,
         "num_runs": ctx.num_runs,
