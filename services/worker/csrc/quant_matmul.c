@@ -53,6 +53,7 @@
 
 #define QTILE 8 /* rows per work item: 8 float accumulators + the block's 8 weight vectors in registers */
 #define ATILE 4 /* AVX2: rows per work item: 2 halves x 4 rows of accumulators + a half's 8 weight vectors */
+#define AVX2_AHEAD 6 /* AVX2: blocks its prefetches run ahead of the reads */
 #define DEQ_ROWS 4 /* most rows of the float32 path */
 
 /* The paths, slowest first; `most` is the fastest one allowed (tests force the slower ones). */
@@ -171,6 +172,13 @@ static inline __attribute__((always_inline)) void panel_avx2(const int8_t *xq, c
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = block_q(w, bits, has_m, b);
         const uint16_t *ds = block_d(w, bits, has_m, b);
+        /* Unlike the VNNI path's, a prefetch: on a Zen 3 (2 threads, 4 layers of the 1B shape, one
+         * row, the distances alternating in one process, medians of 7) 25.6 -> 31.1 GB/s for Q4_1,
+         * 25.0 -> 30.4 for Q4_0, 20.0 -> 25.0 for Q8_0; 4 to 12 blocks ahead all within 2 GB/s,
+         * 8 rows unchanged. Past the panel's end it reads the next panel (this thread's next) or
+         * nothing: a prefetch does not fault. */
+        const char *ahead = (const char *)block_q(w, bits, has_m, b + AVX2_AHEAD);
+        for (int i = 0; i < (bits == 4 ? 5 : 9); i++) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) { /* columns 8h .. 8h + 7: bytes 32h .. 32h + 31 of every vector */
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + 8 * h)));
             const __m256 m = has_m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ds + 16 + 8 * h)))
