@@ -61,9 +61,10 @@ def schedule_ltr(core: PolicyView, step: Step) -> None:
         return (0 if guards[r.request_id].promoted else 1, r.predicted_output, r.seq)
 
     serve_ranked(core, step, sorted(live, key=rank), rank)
+    step_id = step.step_id
     for r in live:
         g = guards[r.request_id]
-        if step.is_scheduled(r):
+        if r.scheduled_step == step_id:  # `step.is_scheduled(r)`
             g.idle = 0
             g.runs -= g.promoted
         else:
@@ -74,20 +75,22 @@ def serve_ranked(core: PolicyView, step: Step, order: list[Request], rank) -> No
     """Give tokens in `order` until the step's budget is spent; a running request short of
     blocks preempts the lowest-ranked unscheduled one (possibly itself), a paused one
     preempts only those ranked after it, and one that cannot be placed ends the step."""
-    memory, cfg = core.memory, core.cfg
+    memory, cfg, step_id = core.memory, core.cfg, step.step_id
     running = [r for r in order if r.status is Status.RUNNING]
     for req in order:
         if step.tokens_left == 0 or step.seqs_left == 0:
             return
         if req.status is Status.RUNNING:
-            if step.is_scheduled(req) or not (wanted := req.num_schedulable()):
+            if req.scheduled_step == step_id or not (wanted := req.num_schedulable()):  # `step.is_scheduled`
                 continue
-            num_new = core.grant(req, step, wanted=wanted)
+            num_new = wanted if wanted == 1 else core.grant(req, step, wanted=wanted)  # a decode fits any budget left
             if num_new == 0:
                 return
             need = memory.blocks_needed(req, num_new)
             step.num_blocks_wanted += need
-            if make_room(core, step, req, need, running):
+            if need <= 0:  # most decodes: their last block has room
+                step.schedule(req, num_new)
+            elif make_room(core, step, req, need, running):
                 memory.grow(req, num_new)
                 step.schedule(req, num_new)
             continue
