@@ -27,6 +27,7 @@ from shared import config, log, zmqsec
 # command imports torch for it (tests/test_layers.py holds both).
 BENCHMARKS = {
     "model": ("bench.micro.model", "our worker vs transformers: prefill tok/s, decode step ms"),
+    "prefill": ("bench.micro.prefill", "one prefill step of the worker's model: ms, and where they go (matmuls, attention, norms)"),
     "matmul": ("bench.micro.matmul", "the worker's CPU matmul layouts (panels, oneDNN, [in, out]): ms by rows"),
     "quant": ("bench.micro.quant", "each weight precision (fp32, bf16, GGUF quants): greedy agreement, perplexity, ITL"),
     "kv": ("bench.micro.kv", "DuplexKV transfer modes vs the machine's memcpy limit"),
