@@ -166,7 +166,7 @@ class BlockPool:
         for b in out:
             del cached[b]
             busy.pop(b, None)
-            self.unhash(b)
+        self.unhash_all(out)
         return out
 
     # ------------------------------------------------------------ the prefix cache
@@ -174,28 +174,33 @@ class BlockPool:
     def register(self, b: int, h: bytes) -> None:
         """Block `b` (held, full) holds the tokens whose chain hash is `h`. A second block
         with the same content stays anonymous (it is freed as a plain block)."""
-        if self.hash_of[b] is None and h not in self.index:
-            self.hash_of[b] = h
-            self.index[h] = b
-            if (watchers := self._watched.get(h)) is not None:
-                for found, i in watchers.values():
-                    found[i] = b
+        self.register_all([b], [h])
 
     def register_all(self, blocks: list[int], hashes: list[bytes]) -> None:
         """`register` each of `blocks` with its hash (a request's blocks, once they are full)."""
-        hash_of, index = self.hash_of, self.index
+        hash_of, index, watched = self.hash_of, self.index, self._watched
         for b, h in zip(blocks, hashes):
-            if hash_of[b] is None and h not in index:  # else `register` does nothing
-                self.register(b, h)
+            if hash_of[b] is None and h not in index:
+                hash_of[b] = h
+                index[h] = b
+                if (watchers := watched.get(h)) is not None:
+                    for found, i in watchers.values():
+                        found[i] = b
 
     def unhash(self, b: int) -> None:
-        h = self.hash_of[b]
-        if h is not None:
-            del self.index[h]
-            self.hash_of[b] = None
-            if (watchers := self._watched.get(h)) is not None:
-                for found, i in watchers.values():
-                    del found[i]
+        self.unhash_all([b])
+
+    def unhash_all(self, blocks: Iterable[int]) -> None:
+        """Forget the hashes of `blocks` (those that have one)."""
+        hash_of, index, watched = self.hash_of, self.index, self._watched
+        for b in blocks:
+            h = hash_of[b]
+            if h is not None:
+                del index[h]
+                hash_of[b] = None
+                if (watchers := watched.get(h)) is not None:
+                    for found, i in watchers.values():
+                        del found[i]
 
     def watch(self, key: object, hashes: list[bytes]) -> dict[int, int]:
         """Position -> block for those of `hashes` the index holds, kept up to date by every
@@ -241,23 +246,20 @@ class BlockPool:
 
     def revive(self, b: int) -> None:
         """Take one more reference on the hashed block `b` (held, cached or deferred)."""
-        if self.ref[b] == 0:
-            if b in self._cached:
-                del self._cached[b]
-                self._busy.pop(b, None)
-            else:
-                assert b in self._deferred_until, f"{self.name}: revived block {b} is neither cached nor deferred"
-                self.num_deferred -= 1
-        self.ref[b] += 1
+        self.revive_all([b])
 
     def revive_all(self, blocks: Iterable[int]) -> None:
-        """`revive` each of `blocks`; one already held only gains the reference."""
-        ref = self.ref
+        """`revive` each of `blocks`."""
+        ref, cached, busy = self.ref, self._cached, self._busy
         for b in blocks:
             if ref[b] == 0:
-                self.revive(b)
-            else:
-                ref[b] += 1
+                if b in cached:
+                    del cached[b]
+                    busy.pop(b, None)
+                else:
+                    assert b in self._deferred_until, f"{self.name}: revived block {b} is neither cached nor deferred"
+                    self.num_deferred -= 1
+            ref[b] += 1
 
     # ------------------------------------------------------------ release
 
