@@ -52,7 +52,7 @@
 #include "kernels.h"
 
 #define QTILE 8 /* rows per work item: 8 float accumulators + the block's 8 weight vectors in registers */
-#define ATILE 4 /* AVX2: rows per work item: 2 halves x 4 rows of accumulators + a half's 8 weight vectors */
+#define ATILE 4 /* AVX2: rows per pass over a panel: 2 halves x 4 rows of accumulators, a half's 8 weight vectors (16 ymm: the compiler keeps some in L1) */
 #define AVX2_AHEAD 6 /* AVX2: blocks its prefetches run ahead of the reads */
 #define DEQ_ROWS 4 /* most rows of the float32 path */
 
