@@ -70,6 +70,20 @@ def test_silu_and_mul_matches_torch(rows, torch_path):
     torch.testing.assert_close(got, model.silu_and_mul(gate_up.clone()))
 
 
+def test_silu_and_mul_vector_lanes_give_the_scalar_bits():
+    """Column 16 of a 17-wide row runs on the scalar loop, columns 0-15 on the vector one (8 or 16
+    lanes): the same inputs in column 0 and column 16 give the same bits."""
+    if cpu_kernels.kernels() is None:
+        pytest.skip("native CPU kernels not built here")
+    gen = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(4096, 17, generator=gen) * 8, torch.randn(4096, 17, generator=gen)
+    gate[:, 16], up[:, 16] = gate[:, 0], up[:, 0]
+    gate[:8, 0] = torch.tensor([0.0, -0.0, -87.5, 88.0, -200.0, 1e-30, float("inf"), float("-inf")])
+    gate[:, 16] = gate[:, 0]
+    out = model.silu_and_mul(torch.cat([gate, up], dim=1))
+    assert torch.equal(out[:, 16], out[:, 0])
+
+
 @pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 25, 64, 100])
 @pytest.mark.parametrize(("num_out", "num_in"), [(48, 96), (576, 96), (48, 300)])
 def test_panel_matmul_matches_torch(rows, num_out, num_in):
