@@ -71,8 +71,8 @@ void rope_f32(float *x, int64_t row_stride, const float *cos, const float *sin, 
 #include <immintrin.h>
 
 /* silu_mul (kernels.h) on 8 lanes, its operations one for one (the compiler fuses its multiply-adds
- * as these do), so the same bits: the scalar loop does not vectorise (a 512-token prefill of
- * SmolLM2-135M spent ~100 ms in it). */
+ * as these do), so the same bits: the scalar loop does not vectorise (`superinfer bench prefill`
+ * shows what it cost). */
 static inline __m256 silu_mul8(__m256 g, __m256 u) {
     const __m256 x = _mm256_max_ps(_mm256_min_ps(g, _mm256_sub_ps(_mm256_setzero_ps(), g)), _mm256_set1_ps(-87.0f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
