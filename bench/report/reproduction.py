@@ -330,8 +330,9 @@ def setting_section(res: dict) -> list[str]:
         f"{hw['step_overhead_ms']:g} ms fixed per step, {hw['hbm_gb']:g} GB HBM; link ~{hw['link_gbs']:g} GB/s a direction, "
         f"{hw['dram_gbs']:g} GB/s both). The efficiencies are fitted so that vLLM V1's mean model time per step at the "
         "top ShareGPT rate is the paper's 69.8 ms and the paper's rates span light load to saturation (table below): "
-        "the per-step time is therefore circular, not a result. Scheduling is our core's own, timed on this CPU as it ran "
-        "(overlapped with compute): a rerun on a busier machine moves a row slightly.",
+        "the per-step time is therefore circular, not a result. Scheduling is our core's own, charged as the CPU time its "
+        "thread took on this machine (overlapped with compute): other processes on the cores do not lengthen it, a "
+        "slower or faster CPU moves a row slightly.",
         f"- **ShareGPT outputs are ShareGPT's own answers**, not Llama-3-8B's generations (the harness replays "
         "`llama3-8b-sharegpt-test-t1-s0-8192.jsonl`, which we do not have). First turns, shuffled per seed; pairs "
         f"beyond a 32k context dropped. Pool mean {sg['mean_prompt_tokens']:.0f} prompt / {sg['mean_output_tokens']:.0f} "
