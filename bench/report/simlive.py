@@ -72,7 +72,8 @@ def markdown(runs: list[dict]) -> list[str]:
         "",
         *table(run),
         "",
-        f"Δ: simulated minus live attainment; more than {POINTS} points apart: "
+        f"Δ: simulated minus live attainment; more than {POINTS} points apart in TTFT, TBT or the share of requests "
+        "meeting both SLOs (not shown): "
         + (", ".join(far) if far else "none")
         + ". TTFT attainment counts requests (one request of a trace is 100 / its size points); TBT attainment counts "
         "gaps between tokens.",

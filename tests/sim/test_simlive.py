@@ -235,5 +235,5 @@ def test_markdown_shows_the_latest_run_side_by_side(tmp_path):
     assert len(runs) == 2
     text = "\n".join(report_simlive.markdown(runs))
     assert "| fcfs | 0.3 | 3 / 4 | 50 / 62 | +12 |" in text and "| lvf | 1 | 3 / 4 | 25 / 31 | +6 |" in text
-    assert "more than 10 points apart: fcfs at 0.3." in text
+    assert "meeting both SLOs (not shown): fcfs at 0.3." in text
     assert "Not measured" in "\n".join(report_simlive.markdown([old]))
