@@ -43,6 +43,7 @@ BENCHMARKS = {
     "simlive": ("bench.sim.simlive", "the simulator vs the live server on one ShareGPT trace, calibrated in the same run"),
     "reproduce": ("bench.sim.reproduce", "regenerate bench/REPRODUCTION.md from simulator runs"),
     "replicas": ("bench.sim.replicas", "N replicas behind one gateway in the simulator: cache-aware, headroom, round-robin routing"),
+    "replicas-live": ("bench.live.replicas", "two scheduler+worker pairs behind one gateway on this machine: the routings live"),
     "tier": ("bench.sim.tier", "the DRAM prefix-cache tier in the simulator: LVF + tier vs vLLM V1 + host tier"),
     "synth-model": ("bench.models.synth", "a real model's shape, seeded random weights: GGUF F16/Q8_0/Q4_1, HF bf16"),
     "summary": ("bench.summary", "copy a run's figures into bench/summary.json and render docs/results.md"),

@@ -1,4 +1,4 @@
-"""`python -m bench.live.replicas`: two scheduler+worker pairs over tcp behind one gateway on
+"""`superinfer bench replicas-live`: two scheduler+worker pairs over tcp behind one gateway on
 this machine (each worker on a core of its own, one thread), ShareGPT conversations turn by
 turn (`bench compare --multi-turn`'s workload: each turn's prompt the whole history), once per
 routing (`--routing` of the gateway) and load, each run on freshly started pairs (empty caches).
@@ -6,9 +6,9 @@ routing (`--routing` of the gateway) and load, each run on freshly started pairs
 Per run: prompt tokens served from cache (the servers' `usage.prompt_tokens_details`), TTFT
 p50/p90 and attainment, TBT attainment — `bench serve`'s figures, from `bench serve`'s client.
 Writes bench/results/replicas_live_<timestamp>.json. Its timings are only comparable inside
-one run: run it alone (`flock -x /tmp/si.lock`).
+one run: run it with nothing else on the machine.
 
-    flock -x /tmp/si.lock python -m bench.live.replicas --rates 0.1,0.3 --conversations 24
+    superinfer bench replicas-live --rates 0.1,0.4 --conversations 12 --max-turns 4 --worker-args "--block-size 32 --hbm-blocks 64"
 """
 
 from __future__ import annotations
