@@ -81,8 +81,8 @@ def test_penalties_bias_and_min_tokens_change_the_output(server):
     token_id = json.loads(body)["tokens"][0]
     banned = completion(server, max_tokens=1, logprobs=0, logit_bias={str(token_id): -100})
     assert banned.choices[0].logprobs.tokens[0] != first.tokens[0]
-    short = chat(server, max_tokens=64)
+    short = chat(server, max_tokens=256)  # a reply that ends on its own, however long this path's greedy text runs
     assert short.choices[0].finish_reason == "stop"
     n = short.usage.completion_tokens + 5
-    longer = chat(server, max_tokens=64, extra_body={"min_tokens": n})
+    longer = chat(server, max_tokens=n + 64, extra_body={"min_tokens": n})
     assert longer.usage.completion_tokens >= n
